@@ -1,0 +1,141 @@
+"""Command line: ``dflash-trainer {prepare,train,eval,export,regenerate,report} [options]``.
+
+Every command takes ``--config FILE`` and dotted overrides (``training.lr=3e-4``). Command
+flags such as ``--target`` are shorthands for config keys. Handlers are imported lazily so
+that ``--help`` and config errors answer quickly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from dflash_trainer.config import Config, ConfigError, describe_options, load_config
+
+
+@dataclass(kw_only=True)
+class Command:
+    """One sub-command: its handler and the flags that map onto config keys."""
+
+    handler: str
+    """``module:function`` called as ``function(cfg, args)``; returns an exit code."""
+    help: str
+    flags: dict[str, str] = field(default_factory=dict)
+    """``--flag`` -> dotted config key it sets."""
+    extra: list[tuple[str, dict]] = field(default_factory=list)
+    """Additional argparse arguments that are not config keys."""
+
+
+COMMANDS: dict[str, Command] = {
+    "prepare": Command(
+        handler="dflash_trainer.data.prepare:main",
+        help="Tokenize the chat data into the memory-mapped cache and print statistics.",
+        flags={"--target": "model.target", "--data": "data.paths"},
+    ),
+    "train": Command(
+        handler="dflash_trainer.train:main",
+        help="Train a drafter (the full pipeline); torchrun-launchable.",
+        flags={"--target": "model.target", "--data": "data.paths", "--run-dir": "run_dir",
+               "--resume": "checkpoint.resume"},
+    ),
+    "eval": Command(
+        handler="dflash_trainer.evaluate:main",
+        help="Speculative decoding with a drafter: acceptance length, speedup, lossless check.",
+        flags={"--target": "model.target", "--prompts": "eval.prompts", "--run-dir": "run_dir"},
+        extra=[("--drafter", {"required": True, "help": "exported drafter folder"}),
+               ("--out", {"default": None, "help": "output folder (default RUN_DIR/eval)"})],
+    ),
+    "export": Command(
+        handler="dflash_trainer.model.export:main",
+        help="Export a training checkpoint as a z-lab format drafter folder.",
+        flags={"--target": "model.target"},
+        extra=[("--checkpoint", {"required": True, "help": "checkpoint folder"}),
+               ("--out", {"required": True, "help": "output folder"})],
+    ),
+    "regenerate": Command(
+        handler="dflash_trainer.data.regenerate:main",
+        help="Regenerate assistant turns with the target model (OpenAI messages JSONL out).",
+        flags={"--target": "model.target", "--data": "data.paths"},
+        extra=[("--out", {"required": True, "help": "output JSONL file"}),
+               ("--backend", {"default": "transformers", "choices": ["transformers", "openai"]}),
+               ("--server-url", {"default": None, "help": "OpenAI-compatible base URL"}),
+               ("--concurrency", {"type": int, "default": 8}),
+               ("--batch-size", {"type": int, "default": 8}),
+               ("--max-new-tokens", {"type": int, "default": 512}),
+               ("--temperature", {"type": float, "default": None}),
+               ("--top-p", {"type": float, "default": None}),
+               ("--top-k", {"type": int, "default": None}),
+               ("--limit", {"type": int, "default": None, "help": "at most N conversations"})],
+    ),
+    "report": Command(
+        handler="dflash_trainer.report:main",
+        help="Write plots and an index.html for a run folder.",
+        extra=[("run", {"help": "run folder"})],
+    ),
+}
+
+
+def _options_epilog() -> str:
+    lines = ["config options (set in --config FILE or as key=value overrides):"]
+    for key, tp, default, doc in describe_options(Config):
+        lines.append(f"  {key} = {default}  [{tp}]")
+        if doc:
+            lines.extend(textwrap.wrap(doc, 88, initial_indent="      ", subsequent_indent="      "))
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of all sub-commands."""
+    parser = argparse.ArgumentParser(
+        prog="dflash-trainer", description="Train DFlash block-diffusion drafters.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    epilog = _options_epilog()
+    for name, cmd in COMMANDS.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help, epilog=epilog,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p.add_argument("--config", "-c", default=None, help="YAML config file")
+        for flag, key in cmd.flags.items():
+            p.add_argument(flag, dest="flag_" + key.replace(".", "__"), default=None,
+                           metavar="VALUE", help=f"shorthand for {key}=VALUE")
+        for flag, kwargs in cmd.extra:
+            p.add_argument(flag, **kwargs)
+        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                       help="dotted config overrides, e.g. training.lr=3e-4")
+    return parser
+
+
+def _resolve(handler: str) -> Callable[[Config, argparse.Namespace], int | None]:
+    module, _, func = handler.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``dflash-trainer`` console script."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cmd = COMMANDS[args.command]
+    overrides = list(args.overrides)
+    for key in cmd.flags.values():
+        value = getattr(args, "flag_" + key.replace(".", "__"))
+        if value is not None:
+            if key == "data.paths":
+                value = "[" + ", ".join(repr(v) for v in value.split(",")) + "]"
+            overrides.append(f"{key}={value}")
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"dflash-trainer {args.command}: config error: {exc}", file=sys.stderr)
+        return 2
+    code = _resolve(cmd.handler)(cfg, args)
+    return int(code or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

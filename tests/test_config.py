@@ -1,0 +1,83 @@
+"""Config loading: YAML + dotted overrides, strict keys and types, resolved config on disk."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dflash_trainer.cli import main as cli_main
+from dflash_trainer.config import Config, ConfigError, load_config, save_config
+
+
+def test_defaults_follow_the_reference_recipe():
+    cfg = load_config()
+    assert cfg.training.lr == 6e-4
+    assert cfg.training.betas == (0.9, 0.999)
+    assert cfg.training.warmup_ratio == 0.04
+    assert cfg.training.num_anchors == 512
+    assert cfg.model.block_size == 16
+    assert cfg.data.max_length == 3072
+
+
+def test_yaml_and_overrides(tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text("training:\n  lr: 1.0e-3\nmodel:\n  num_layers: 2\n")
+    cfg = load_config(path, ["training.lr=3e-4", "training.betas=[0.8, 0.95]",
+                             "data.paths=[a.jsonl, b.jsonl]", "training.gamma=null"])
+    assert cfg.training.lr == 3e-4
+    assert cfg.training.betas == (0.8, 0.95)
+    assert cfg.model.num_layers == 2
+    assert cfg.data.paths == ["a.jsonl", "b.jsonl"]
+    assert cfg.training.gamma is None
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("training.lrr=1", "unknown config key 'training.lrr'"),
+    ("bogus.x=1", "unknown config key 'bogus'"),
+    ("training.lr=abc", "training.lr: expected a number"),
+    ("model.num_layers=1.5", "model.num_layers: expected an integer"),
+    ("model.attention=fast", "accepted values: 'auto', 'sdpa', 'flex'"),
+    ("training.betas=[0.9]", "training.betas: expected 2 values"),
+    ("model.block_size=1", "model.block_size must be >= 2"),
+    ("pipeline.tokens_per_batch=10", "pipeline.tokens_per_batch"),
+    ("training.lr", "must look like section.key=value"),
+])
+def test_errors_name_the_key(override: str, fragment: str):
+    with pytest.raises(ConfigError, match=None) as info:
+        load_config(None, [override])
+    assert fragment in str(info.value)
+
+
+def test_missing_file_and_bad_yaml(tmp_path: Path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+
+
+def test_resolved_config_round_trips(tmp_path: Path):
+    cfg = load_config(None, ["training.lr=1e-3", "logging.tags=[a, b]"])
+    path = save_config(cfg, tmp_path)
+    again = load_config(path)
+    assert again == cfg
+    assert yaml.safe_load(path.read_text())["training"]["lr"] == 1e-3
+
+
+def test_repo_configs_load():
+    for path in sorted(Path(__file__).parents[1].glob("configs/*.yaml")):
+        assert isinstance(load_config(path), Config), path
+
+
+def test_cli_config_error_exit_code(capsys):
+    assert cli_main(["prepare", "training.nope=1"]) == 2
+    assert "unknown config key 'training.nope'" in capsys.readouterr().err
+
+
+def test_cli_help_documents_options(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert "training.lr = 0.0006" in out
+    assert "Linear warmup" in out
