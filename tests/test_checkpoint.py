@@ -1,0 +1,123 @@
+"""Checkpoint files: atomic, validated, retained, and safe against SIGKILL mid-write."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_trainer.checkpoint import (
+    CheckpointError, Checkpointer, SaveRequest, find_resume_checkpoint, load_state,
+    resolve_resume, snapshot, validate_checkpoint)
+
+
+def _request(step: int, size: int = 1000) -> SaveRequest:
+    state = {"step": step, "weights": torch.full((size,), float(step))}
+    return SaveRequest(step=step, state=state, rank_states={1: {"rng": step}}, export=None)
+
+
+def test_snapshot_is_a_detached_cpu_copy():
+    w = torch.nn.Parameter(torch.ones(3))
+    snap = snapshot({"w": w, "nested": [w, 3]})
+    with torch.no_grad():
+        w.add_(1)
+    assert torch.equal(snap["w"], torch.ones(3)) and not snap["w"].requires_grad
+    assert snap["nested"][1] == 3
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_save_retention_and_latest(tmp_path: Path, async_save: bool):
+    ck = Checkpointer(tmp_path, keep_last=2, async_save=async_save)
+    ck.save(_request(1))
+    ck.mark_best(1)
+    for step in (2, 3, 4):
+        ck.save(_request(step))
+    ck.close()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["latest", "step-1", "step-3", "step-4"]
+    assert (tmp_path / "latest").read_text() == "step-4"
+    folder = find_resume_checkpoint(tmp_path)
+    assert folder == tmp_path / "step-4"
+    state = load_state(folder, rank=1)
+    assert state["step"] == 4 and state["rank"] == {"rng": 4}
+    assert torch.equal(state["weights"], torch.full((1000,), 4.0))
+    with pytest.raises(CheckpointError, match="rank 2"):
+        load_state(folder, rank=2)
+
+
+def test_corrupt_and_partial_checkpoints_are_skipped(tmp_path: Path, caplog):
+    ck = Checkpointer(tmp_path, keep_last=5, async_save=False)
+    ck.save(_request(1))
+    ck.save(_request(2))
+    # Corrupt the newest: flip bytes in place (same size).
+    data = bytearray((tmp_path / "step-2" / "state.pt").read_bytes())
+    data[-10] ^= 0xFF
+    (tmp_path / "step-2" / "state.pt").write_bytes(bytes(data))
+    # A partial folder without manifest, newer than both.
+    (tmp_path / "step-3").mkdir()
+    (tmp_path / "step-3" / "state.pt").write_bytes(b"half")
+    with pytest.raises(CheckpointError, match="checksum"):
+        validate_checkpoint(tmp_path / "step-2")
+    assert find_resume_checkpoint(tmp_path) == tmp_path / "step-1"
+    assert "skipping checkpoint" in caplog.text
+    assert resolve_resume("auto", tmp_path) == tmp_path / "step-1"
+    with pytest.raises(CheckpointError, match="partial"):
+        resolve_resume(str(tmp_path / "step-3"), tmp_path)
+    with pytest.raises(CheckpointError, match="no such"):
+        resolve_resume(str(tmp_path / "nope"), tmp_path)
+
+
+def test_write_failure_reaches_the_training_thread(tmp_path: Path):
+    def broken_export(path: Path) -> None:
+        raise OSError("disk full")
+
+    ck = Checkpointer(tmp_path, keep_last=2, async_save=True)
+    ck.save(SaveRequest(step=1, state={"a": 1}, rank_states={}, export=broken_export))
+    with pytest.raises(CheckpointError):
+        ck.wait()
+    assert find_resume_checkpoint(tmp_path) is None
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch
+    from pathlib import Path
+    from dflash_trainer.checkpoint import Checkpointer, SaveRequest
+    ck = Checkpointer(Path(sys.argv[1]), keep_last=2, async_save=True)
+    step = int(sys.argv[2])
+    while True:
+        step += 1
+        ck.save(SaveRequest(step=step, state={"step": step, "w": torch.randn(200_000)},
+                            rank_states={}, export=None))
+        print(step, flush=True)
+""")
+
+
+def test_sigkill_during_writes_never_breaks_latest(tmp_path: Path):
+    rng = random.Random(0)
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    ckpt = tmp_path / "ckpt"
+    last = 0
+    for trial in range(12):
+        proc = subprocess.Popen([sys.executable, str(script), str(ckpt), str(last)],
+                                stdout=subprocess.PIPE, text=True)
+        # Wait for the interpreter to start writing, then kill at a random moment.
+        proc.stdout.readline()
+        time.sleep(rng.uniform(0.0, 0.25))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        folder = find_resume_checkpoint(ckpt)
+        if folder is None:
+            continue
+        state = load_state(folder)
+        assert state["w"].shape == (200_000,)
+        assert (ckpt / "latest").read_text().strip().startswith("step-")
+        validate_checkpoint(ckpt / (ckpt / "latest").read_text().strip())
+        last = state["step"]
+    assert last > 0, "no checkpoint ever completed"

@@ -1,0 +1,55 @@
+"""Optimizer hyper-parameters come from the config; the schedule is warmup + decay."""
+
+import math
+
+import pytest
+import torch
+
+from dflash_trainer.config import load_config
+from dflash_trainer.optim import LRSchedule, build_optimizer, lr_at
+
+
+def test_optimizer_uses_configured_hyperparameters():
+    cfg = load_config(None, ["training.lr=3e-4", "training.betas=[0.8, 0.95]",
+                             "training.eps=1e-6", "training.weight_decay=0.01"]).training
+    model = torch.nn.Linear(4, 4)
+    opt = build_optimizer(model.parameters(), cfg, device=torch.device("cpu"))
+    group = opt.param_groups[0]
+    assert group["betas"] == (0.8, 0.95)
+    assert group["eps"] == 1e-6
+    assert group["weight_decay"] == 0.01
+    sched = LRSchedule(opt, total_steps=100, cfg=cfg)
+    assert group["lr"] == pytest.approx(3e-4 / 4)  # first of 4 warmup steps
+
+
+def test_reference_defaults_reach_the_optimizer():
+    cfg = load_config().training
+    opt = build_optimizer(torch.nn.Linear(2, 2).parameters(), cfg, device=torch.device("cpu"))
+    group = opt.param_groups[0]
+    assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.9, 0.999), 1e-8, 0.0)
+
+
+def test_warmup_then_cosine_to_zero():
+    cfg = load_config().training  # lr 6e-4, warmup 4%
+    total = 1000
+    lrs = [lr_at(s, total_steps=total, cfg=cfg) for s in range(total)]
+    assert lrs[0] == pytest.approx(6e-4 / 40)
+    assert lrs[39] == pytest.approx(6e-4)
+    assert max(lrs) == pytest.approx(6e-4)
+    mid = 40 + (total - 40) // 2
+    assert lrs[mid] == pytest.approx(3e-4, rel=1e-2)
+    assert lrs[-1] < 1e-8 + 6e-4 * (1 - math.cos(math.pi / 960)) and lrs[-1] >= 0
+    assert all(a >= b for a, b in zip(lrs[40:], lrs[41:]))
+
+
+def test_schedule_state_round_trip():
+    cfg = load_config().training
+    opt = build_optimizer(torch.nn.Linear(2, 2).parameters(), cfg, device=torch.device("cpu"))
+    sched = LRSchedule(opt, total_steps=50, cfg=cfg)
+    for _ in range(7):
+        sched.step()
+    state = sched.state_dict()
+    opt2 = build_optimizer(torch.nn.Linear(2, 2).parameters(), cfg, device=torch.device("cpu"))
+    sched2 = LRSchedule(opt2, total_steps=10, cfg=cfg)
+    sched2.load_state_dict(state)
+    assert sched2.lr == sched.lr and sched2.total_steps == 50
