@@ -1,0 +1,164 @@
+"""The monitor: on the main thread, between steps, turns stage counters into logged metrics.
+
+Every log interval it calls ``get_metrics()`` on each stage (which returns, and resets, what
+the stage counted since its previous call), samples channel depths, applies the cross-rank
+reduce, derives rates and run totals, and writes one dict to the trackers.
+
+Kinds of values (names from DESIGN.md):
+
+- windowed, passed through: everything a stage reports except the counters below; means,
+  maxima or last values over the window as the stage defines them (``train/loss``,
+  ``train/grad_norm`` (mean), ``train/grad_norm_max``, ``train/lr`` (last),
+  ``train/skipped_nonfinite`` (count in the window), ``pipe/{stage}/busy_frac``, ...).
+- windowed counters consumed by the monitor: ``train/tokens`` (non-padding tokens the train
+  loop trained on in the window) and ``train/samples`` (sequences). They become
+  ``perf/tokens_per_s`` and ``perf/samples_per_s`` (divided by the window's wall time) and the
+  run totals ``train/tokens_total`` and ``train/samples_total``; they are not logged as such.
+- accumulated: stages report ``data/bucket/{i}/dispatched`` per window; the monitor logs the
+  run total per bucket, every log, also for buckets idle in the window.
+- sampled: ``pipe/queue/{channel}``, the items in each channel at log time.
+
+Run totals are part of ``state_dict()`` so they continue across a resume.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from dflash_trainer.trackers import Tracker
+
+TOKENS = "train/tokens"
+SAMPLES = "train/samples"
+_ACCUMULATED = re.compile(r"data/bucket/\d+/dispatched")
+
+
+class HasMetrics(Protocol):
+    """A pipeline stage as the monitor sees it."""
+
+    def get_metrics(self) -> dict[str, float]:
+        """Metrics since the previous call, under their DESIGN.md names; resets the window."""
+        ...
+
+
+class HasDepth(Protocol):
+    """A channel as the monitor sees it."""
+
+    name: str
+    capacity: int
+
+    def qsize(self) -> int:
+        """Items currently queued."""
+        ...
+
+
+class Monitor:
+    """Polls stages and channels every ``every_steps`` steps (or ``every_s`` seconds).
+
+    ``reduce`` combines the window's raw dict across ranks (sum the counters, average or max
+    the rest, as it sees fit) and must be called at the same steps on every rank; so with a
+    ``reduce`` the time trigger, which ranks cannot agree on without a per-step collective,
+    is ignored with a warning. ``clock`` is for tests.
+    """
+
+    def __init__(self, stages: Mapping[str, HasMetrics], channels: Mapping[str, HasDepth],
+                 trackers: Tracker, *, every_steps: int, every_s: float | None = None,
+                 reduce: Callable[[dict[str, float]], dict[str, float]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1 (logging.every_steps), got {every_steps}")
+        if every_s is not None and every_s <= 0:
+            raise ValueError(f"every_s must be > 0 (logging.every_s), got {every_s}")
+        if every_s is not None and reduce is not None:
+            warnings.warn("logging.every_s has no effect in a multi-rank run: every rank must "
+                          "log at the same steps; logging every logging.every_steps steps",
+                          stacklevel=2)
+            every_s = None
+        self.stages = dict(stages)
+        self.channels = dict(channels)
+        self.trackers = trackers
+        self.every_steps = every_steps
+        self.every_s = every_s
+        self.reduce = reduce
+        self._clock = clock
+        self._window_start = clock()
+        self._last_step: int | None = None
+        self._totals: dict[str, float] = {}
+
+    def should_log(self, step: int) -> bool:
+        """Whether ``maybe_log(step)`` would log."""
+        if step == self._last_step:
+            return False
+        if step % self.every_steps == 0:
+            return True
+        return self.every_s is not None and self._clock() - self._window_start >= self.every_s
+
+    def maybe_log(self, step: int) -> dict[str, float] | None:
+        """Log the window ending at ``step`` (steps done) if an interval passed; return it."""
+        if not self.should_log(step):
+            return None
+        return self._log(step)
+
+    def final(self, step: int) -> dict[str, float] | None:
+        """Log what is left since the last log (nothing if ``step`` was just logged).
+
+        The trackers stay open: their owner closes them.
+        """
+        if step == self._last_step:
+            return None
+        return self._log(step)
+
+    def _poll(self) -> dict[str, float]:
+        raw: dict[str, float] = {}
+        owner: dict[str, str] = {}
+        for stage_name, stage in self.stages.items():
+            for key, value in stage.get_metrics().items():
+                if key in raw:
+                    raise ValueError(f"metric {key!r} is reported by both stage "
+                                     f"{owner[key]!r} and stage {stage_name!r}")
+                owner[key] = stage_name
+                # float(): values may be 0-d tensors; this is the log-step host sync.
+                raw[key] = float(value)
+        for channel_name, channel in self.channels.items():
+            raw[f"pipe/queue/{channel_name}"] = float(channel.qsize())
+        return raw
+
+    def _log(self, step: int) -> dict[str, float]:
+        window = self._poll()
+        if self.reduce is not None:
+            window = dict(self.reduce(window))
+        now = self._clock()
+        elapsed = now - self._window_start
+        self._window_start = now
+        self._last_step = step
+
+        metrics: dict[str, float] = {}
+        for key, value in window.items():
+            if key in (TOKENS, SAMPLES):
+                continue
+            if _ACCUMULATED.fullmatch(key):
+                self._totals[key] = self._totals.get(key, 0.0) + value
+            else:
+                metrics[key] = value
+        for counter, rate in ((TOKENS, "perf/tokens_per_s"), (SAMPLES, "perf/samples_per_s")):
+            if counter in window:
+                total = counter + "_total"
+                self._totals[total] = self._totals.get(total, 0.0) + window[counter]
+                if elapsed > 0:
+                    metrics[rate] = window[counter] / elapsed
+        metrics.update(self._totals)
+        self.trackers.log(metrics, step)
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """Run totals, so a resumed run keeps counting from them."""
+        return {"totals": dict(self._totals), "last_step": self._last_step}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore ``state_dict()``; the window restarts now."""
+        self._totals = {str(k): float(v) for k, v in state["totals"].items()}
+        self._last_step = state["last_step"]
+        self._window_start = self._clock()

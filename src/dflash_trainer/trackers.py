@@ -1,0 +1,304 @@
+"""Metric trackers: W&B, TensorBoard, JSONL and the console, behind one tiny interface.
+
+``build_trackers`` returns a ``Trackers`` fan-out. Rank 0 gets the configured backends; every
+other rank gets an empty fan-out, so callers log unconditionally. ``metrics.jsonl`` is always
+written: it is the run's own record, read back by ``dflash-trainer report``.
+
+Values are floats; a list of numbers (``eval/acceptance_hist``: counts for acceptance lengths
+1..B) is kept as a list in JSONL, a histogram in TensorBoard and W&B, and left off the console.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import yaml
+
+from dflash_trainer.config import LoggingConfig
+
+MetricValue = float | Sequence[float]
+
+# (metric, console label, format); the console shows these, in this order, when present.
+_CONSOLE_FIELDS: tuple[tuple[str, str, str], ...] = (
+    ("train/loss", "loss", "{:.4f}"),
+    ("train/acc", "acc", "{:.3f}"),
+    ("train/tau_sim", "tau", "{:.2f}"),
+    ("train/grad_norm", "gnorm", "{:.3g}"),
+    ("train/lr", "lr", "{:.2e}"),
+    ("perf/tokens_per_s", "tok/s", "{:,.0f}"),
+    ("eval/tau", "eval_tau", "{:.2f}"),
+)
+
+
+class Tracker:
+    """One metrics backend. The base class is the no-op tracker."""
+
+    run_id: str | None = None
+    """Backend run id to store in checkpoints and pass back on resume (W&B only)."""
+
+    def log(self, metrics: Mapping[str, MetricValue], step: int) -> None:
+        """Record ``metrics`` at optimizer step ``step``."""
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        """Record the resolved run configuration."""
+
+    def close(self) -> None:
+        """Flush and release the backend; called once."""
+
+
+def _is_sequence(value: Any) -> bool:
+    return isinstance(value, Sequence) and not isinstance(value, str)
+
+
+class JsonlTracker(Tracker):
+    """``metrics.jsonl``: one ``{"step", "time", **metrics}`` object per line.
+
+    Opened in append mode so a resumed run continues the same file; the report reader resolves
+    steps that a resume re-runs. Each line is flushed as written, so the file is readable while
+    training runs and survives a crash up to the last log. Non-finite floats are written as
+    ``NaN``/``Infinity`` (Python's JSON reading accepts them).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
+
+    def log(self, metrics: Mapping[str, MetricValue], step: int) -> None:
+        assert self._file is not None, "log() after close()"
+        record: dict[str, Any] = {"step": int(step), "time": time.time()}
+        for key, value in metrics.items():
+            record[key] = [float(v) for v in value] if _is_sequence(value) else float(value)
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TensorBoardTracker(Tracker):
+    """TensorBoard event files under ``log_dir`` (scalars; histograms for count lists)."""
+
+    def __init__(self, log_dir: str | Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, metrics: Mapping[str, MetricValue], step: int) -> None:
+        for key, value in metrics.items():
+            if _is_sequence(value):
+                self._log_counts(key, [float(v) for v in value], step)
+            else:
+                self._writer.add_scalar(key, float(value), global_step=step)
+        # Logs are seconds apart at most: flush so a live TensorBoard sees every point.
+        self._writer.flush()
+
+    def _log_counts(self, key: str, counts: list[float], step: int) -> None:
+        """Counts for the values 1..len(counts), as a histogram with one bin per value."""
+        total = sum(counts)
+        if total <= 0:
+            return
+        values = [k for k, c in enumerate(counts, start=1) if c > 0]
+        self._writer.add_histogram_raw(
+            key, min=min(values), max=max(values), num=total,
+            sum=sum(k * c for k, c in enumerate(counts, start=1)),
+            sum_squares=sum(k * k * c for k, c in enumerate(counts, start=1)),
+            bucket_limits=[k + 0.5 for k in range(1, len(counts) + 1)],
+            bucket_counts=counts, global_step=step)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        text = yaml.safe_dump(dict(config), sort_keys=False)
+        # TensorBoard renders text as markdown: indent to keep it a code block.
+        self._writer.add_text("config", "\n".join("    " + line for line in text.splitlines()))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbTracker(Tracker):
+    """A Weights & Biases run (``online`` or ``offline``), its files under ``run_dir/wandb``.
+
+    ``resume_run_id`` continues that run (``resume="allow"``); ``run_id`` is the id to store in
+    checkpoints. W&B ignores, with a warning, steps lower than the last one it has for the run,
+    so after a resume the steps re-run since the checkpoint appear only in ``metrics.jsonl``.
+    """
+
+    def __init__(self, *, mode: str, project: str, entity: str | None, name: str,
+                 tags: Sequence[str], config: Mapping[str, Any], run_dir: str | Path,
+                 resume_run_id: str | None = None) -> None:
+        import wandb
+
+        self._wandb = wandb
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._run = wandb.init(
+            mode=mode, project=project, entity=entity, name=name, tags=list(tags),
+            config=dict(config), dir=str(run_dir), id=resume_run_id,
+            resume="allow" if resume_run_id else None)
+        self.run_id = self._run.id
+
+    def log(self, metrics: Mapping[str, MetricValue], step: int) -> None:
+        data: dict[str, Any] = {}
+        for key, value in metrics.items():
+            if _is_sequence(value):
+                counts = [float(v) for v in value]
+                if sum(counts) > 0:
+                    edges = [k + 0.5 for k in range(len(counts) + 1)]
+                    data[key] = self._wandb.Histogram(np_histogram=(counts, edges))
+            else:
+                data[key] = float(value)
+        self._run.log(data, step=step)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        self._run.config.update(dict(config), allow_val_change=True)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+def _format_eta(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
+        return "-"
+    return str(datetime.timedelta(seconds=int(max(0.0, seconds))))
+
+
+class ConsoleTracker(Tracker):
+    """A rich progress bar on a terminal; one plain line per log elsewhere (CI, files, pipes).
+
+    ``plain`` forces the mode; by default rich decides from the stream (a TTY, or FORCE_COLOR).
+    The ETA extrapolates the step rate measured since the first log (so a resumed run's rate
+    is not diluted by the steps it skipped).
+    """
+
+    def __init__(self, total_steps: int | None = None, *, stream: IO[str] | None = None,
+                 plain: bool | None = None) -> None:
+        from rich.console import Console
+
+        self.total_steps = total_steps
+        self._stream = stream if stream is not None else sys.stdout
+        console = Console(file=self._stream, force_terminal=None if plain is None else not plain)
+        self.plain = not console.is_terminal
+        self._first: tuple[int, float] | None = None
+        self._progress = None
+        if not self.plain:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            # auto_refresh=False: no render thread; the bar redraws at each log.
+            self._progress = Progress(
+                TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[stats]}"), TextColumn("eta {task.fields[eta]}"),
+                console=console, auto_refresh=False)
+            self._task = self._progress.add_task("train", total=total_steps, stats="", eta="-")
+            self._progress.start()
+
+    def _eta(self, step: int) -> float | None:
+        now = time.monotonic()
+        if self._first is None:
+            self._first = (step, now)
+            return None
+        first_step, first_time = self._first
+        if self.total_steps is None or step <= first_step:
+            return None
+        return (self.total_steps - step) * (now - first_time) / (step - first_step)
+
+    def log(self, metrics: Mapping[str, MetricValue], step: int) -> None:
+        stats = "  ".join(f"{label} {fmt.format(float(metrics[key]))}"
+                          for key, label, fmt in _CONSOLE_FIELDS if key in metrics)
+        eta = _format_eta(self._eta(step))
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, stats=stats, eta=eta, refresh=True)
+            return
+        total = "?" if self.total_steps is None else str(self.total_steps)
+        print(f"step {step}/{total}  {stats}  eta {eta}", file=self._stream, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+class Trackers(Tracker):
+    """Fan-out to several trackers; empty (a no-op) on non-logging ranks."""
+
+    def __init__(self, trackers: Sequence[Tracker] = ()) -> None:
+        self.trackers = list(trackers)
+        self._closed = False
+
+    @property
+    def run_id(self) -> str | None:  # type: ignore[override]
+        return next((t.run_id for t in self.trackers if t.run_id is not None), None)
+
+    def log(self, metrics: Mapping[str, MetricValue], step: int) -> None:
+        for tracker in self.trackers:
+            tracker.log(metrics, step)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        for tracker in self.trackers:
+            tracker.log_config(config)
+
+    def close(self) -> None:
+        """Close every tracker (idempotent); the first failure is re-raised after all closed."""
+        if self._closed:
+            return
+        self._closed = True
+        first_error: BaseException | None = None
+        for tracker in self.trackers:
+            try:
+                tracker.close()
+            except Exception as exc:  # noqa: BLE001 - the others must still be closed
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+
+    def __enter__(self) -> Trackers:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def build_trackers(logging_cfg: LoggingConfig, run_dir: str | Path, *,
+                   config_dict: Mapping[str, Any], is_rank0: bool,
+                   resume_run_id: str | None = None,
+                   total_steps: int | None = None) -> Trackers:
+    """The trackers ``logging_cfg`` asks for, writing under ``run_dir``.
+
+    On rank 0: ``metrics.jsonl`` always, ``tensorboard/`` and the console when enabled, and a
+    W&B run unless ``logging.wandb`` is ``disabled`` (``resume_run_id`` continues that run).
+    The config is logged to each. Other ranks get an empty ``Trackers``.
+    """
+    if not is_rank0:
+        return Trackers()
+    run_dir = Path(run_dir)
+    trackers: list[Tracker] = [JsonlTracker(run_dir / "metrics.jsonl")]
+    try:
+        if logging_cfg.tensorboard:
+            trackers.append(TensorBoardTracker(run_dir / "tensorboard"))
+        if logging_cfg.wandb != "disabled":
+            trackers.append(WandbTracker(
+                mode=logging_cfg.wandb, project=logging_cfg.wandb_project,
+                entity=logging_cfg.wandb_entity,
+                name=logging_cfg.run_name or run_dir.resolve().name,
+                tags=logging_cfg.tags, config=config_dict, run_dir=run_dir,
+                resume_run_id=resume_run_id))
+        if logging_cfg.console:
+            trackers.append(ConsoleTracker(total_steps))
+    except BaseException:
+        Trackers(trackers).close()
+        raise
+    fan_out = Trackers(trackers)
+    for tracker in fan_out.trackers:
+        # W&B received the config in init(); logging it again would only repeat it.
+        if not isinstance(tracker, WandbTracker):
+            tracker.log_config(config_dict)
+    return fan_out

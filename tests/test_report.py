@@ -1,0 +1,144 @@
+"""Run report: every plot is a real image, index.html shows them, partial runs do not crash."""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dflash_trainer.cli import main as cli_main
+from dflash_trainer.config import Config, save_config
+from dflash_trainer.report import PLOTS, QUEUE_DEPTH, read_metrics, write_report
+from dflash_trainer.trackers import JsonlTracker
+
+BLOCK = 4
+
+
+def synthetic_metrics(step: int) -> dict[str, float]:
+    """Every DESIGN.md metric, with plausible trends."""
+    progress = step / 100
+    metrics = {
+        "train/loss": 5.0 * math.exp(-2 * progress) + 0.1,
+        "train/acc": 0.2 + 0.5 * progress,
+        "train/tau_sim": 1.0 + 2.0 * progress,
+        "train/grad_norm": 2.0 - progress,
+        "train/grad_norm_max": 4.0 - progress,
+        "train/lr": 6e-4 * min(1.0, step / 20),
+        "train/skipped_nonfinite": 1.0 if step == 50 else 0.0,
+        "train/tokens_total": 1000.0 * step,
+        "train/samples_total": 8.0 * step,
+        "data/seq_len_mean": 200 + 50 * math.sin(step),
+        "data/seq_len_max": 400 + 80 * math.sin(step),
+        "data/padding_efficiency": 0.85 + 0.1 * math.sin(step / 7),
+        "data/max_same_bucket_run": 2.0,
+        "pipe/queue/batches": float(step % 5),
+        "pipe/queue/features": float(step % 3),
+        "pipe/queue/features/put_wait_s": 0.01,  # channel wait times are not depths
+        "pipe/prefetch/busy_frac": 0.3,
+        "pipe/target/busy_frac": 0.6,
+        "perf/tokens_per_s": 5000 + 100 * math.sin(step),
+        "perf/samples_per_s": 40 + math.sin(step),
+        "perf/data_wait_frac": 0.05,
+        "perf/step_time_s": 0.2,
+    }
+    for k in range(1, BLOCK):
+        metrics[f"train/acc_pos/{k}"] = (0.8 - 0.15 * k) * (0.5 + 0.5 * progress)
+    for i in range(3):
+        metrics[f"data/bucket/{i}/dispatched"] = step / (i + 1)
+    return metrics
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    run = tmp_path / "run"
+    save_config(Config(run_dir=str(run)), run)
+    tracker = JsonlTracker(run / "metrics.jsonl")
+    for step in range(10, 101, 10):
+        tracker.log(synthetic_metrics(step), step)
+        if step % 50 == 0:
+            tracker.log({"eval/tau": 1.5 + step / 100, "eval/acceptance_hist": [5, 3, 2, 1]},
+                        step)
+    tracker.close()
+    (run / "eval").mkdir()
+    (run / "eval" / "mtbench.json").write_text(json.dumps({
+        "tau": 2.75, "acceptance_hist": [10, 20, 15, 5], "speedup": 2.1,
+        "prompts": [{"id": 1, "tau": 2.5}, {"id": 2, "tau": 3.0}]}))
+    return run
+
+
+def assert_real_png(path: Path) -> None:
+    assert path.is_file() and path.stat().st_size > 0, path
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        assert image.width > 100 and image.height > 100
+        pixels = np.asarray(image.convert("RGB"))
+    assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 2, f"{path.name} is a flat image"
+
+
+def test_full_run_report(run_dir: Path):
+    index = write_report(run_dir)
+    assert index == run_dir / "report" / "index.html"
+    text = index.read_text()
+    for plot in PLOTS:
+        assert_real_png(run_dir / "report" / plot.file)
+        assert f'src="{plot.file}"' in text
+    assert len(PLOTS) == 12
+    assert set(re.findall(r'src="([^"]+)"', text)) == {p.file for p in PLOTS}
+    # Summary: final values, eval tau from the eval file, steps, tokens, and the config.
+    final = synthetic_metrics(100)
+    assert f"<th>final loss</th><td>{final['train/loss']:.4g}</td>" in text
+    assert "<th>eval tau</th><td>2.75</td>" in text
+    assert "<th>steps</th><td>100</td>" in text
+    assert "<th>tokens</th><td>100,000</td>" in text
+    assert "<th>steps skipped (non-finite)</th><td>1</td>" in text
+    assert "wall time" in text and "speedup" in text and "prompts</th><td>2 entries" in text
+    assert "tokens_per_batch: 4096" in text  # the config.yaml is shown
+
+
+def test_queue_plot_shows_depths_only(run_dir: Path):
+    log = read_metrics(run_dir / "metrics.jsonl")
+    assert list(log.family(QUEUE_DEPTH)) == ["batches", "features"]
+
+
+def test_missing_metrics_give_placeholders(tmp_path: Path):
+    run = tmp_path / "run"
+    tracker = JsonlTracker(run / "metrics.jsonl")
+    tracker.log({"train/loss": 3.0}, 1)
+    tracker.close()
+    index = write_report(run)
+    for plot in PLOTS:
+        assert_real_png(run / "report" / plot.file)  # "no data" text is not a flat image
+    text = index.read_text()
+    assert "No config.yaml" in text and "No eval results" in text
+
+
+def test_resume_and_cut_lines_are_resolved_and_reported(tmp_path: Path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": 10, "train/loss": 3.0}),
+             json.dumps({"step": 20, "train/loss": 2.0}),
+             # Abandoned: logged after the step-20 checkpoint, then the run crashed ...
+             json.dumps({"step": 30, "train/loss": 9.9, "train/acc": 0.9}),
+             json.dumps({"step": 40, "train/loss": 9.9}),
+             '{"step": 40, "train/lo',  # ... mid-line
+             # ... and resumed from step 20.
+             json.dumps({"step": 30, "train/loss": 1.5}),
+             json.dumps({"step": 30, "eval/tau": 2.0}),
+             json.dumps({"step": 40, "train/loss": 1.0})]
+    path.write_text("\n".join(lines) + "\n")
+    log = read_metrics(path)
+    assert log.series("train/loss") == ([10, 20, 30, 40], [3.0, 2.0, 1.5, 1.0])
+    assert log.series("train/acc") == ([], [])
+    assert log.series("eval/tau") == ([30], [2.0])
+    assert log.bad_lines == [5]
+    assert log.rewinds == 1
+
+
+def test_cli_report_command(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
+    assert cli_main(["report", str(run_dir)]) == 0
+    assert "report written to" in capsys.readouterr().out
+    assert (run_dir / "report" / "index.html").is_file()
+    assert cli_main(["report", str(tmp_path / "missing")]) == 2
+    assert "metrics.jsonl does not exist" in capsys.readouterr().err
