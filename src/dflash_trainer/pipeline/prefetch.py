@@ -1,0 +1,321 @@
+"""BatchPrefetcher: W worker threads turn plan steps into padded batches, in plan order.
+
+Threads and ownership: W workers each claim the next stream index from ONE shared counter
+(under ``_cond``), collate that step's batch for this rank and park it in a reorder buffer;
+the stage thread (dispatcher) takes the buffer in stream order and puts stream index i into
+output channel ``i % len(outputs)``. Workers may not claim more than ``reorder_window``
+indices ahead of the dispatcher, which bounds memory when the consumer is slow.
+
+Results do not depend on which worker built a batch: anchors come from a generator seeded
+by (seed, epoch, step, rank). Resume: the consumer calls :meth:`BatchPrefetcher.acknowledge`
+for every batch it trained on; :meth:`state_dict` is the first position not acknowledged,
+so batches in flight (queued or being built) at checkpoint time are produced again.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from dflash_trainer.data.buckets import Plan
+from dflash_trainer.pipeline.batch import Batch
+from dflash_trainer.pipeline.channel import POLL_S, Channel, StopRequested
+from dflash_trainer.pipeline.stage import Stage
+
+STATE_VERSION = 1
+
+
+
+class AnchorSampler(Protocol):
+    """``model.blocks.sample_anchors``: block starts per row, from the given generator only."""
+
+    def __call__(self, loss_mask: torch.Tensor, num_anchors: int, block_size: int,
+                 generator: torch.Generator, *,
+                 seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss_mask [B,S] bool, ...) -> (anchors [B,N] long, keep [B,N] bool)."""
+        ...
+
+
+class TokenDataset(Protocol):
+    """What the prefetcher reads: a memory-mapped token store or anything alike."""
+
+    lengths: np.ndarray
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids int32 [L], loss_mask uint8 [L]) of sample ``index``."""
+        ...
+
+
+def step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
+    """Seed of the per-step anchor generator (independent of worker scheduling)."""
+    high, low = np.random.SeedSequence([seed % 2**63, epoch, step, rank]).generate_state(2)
+    return ((int(high) << 32) | int(low)) & (2**63 - 1)
+
+
+class BatchPrefetcher(Stage):
+    """Builds this rank's batches for every step of every epoch and dispatches them in order.
+
+    ``plan`` is one epoch's :class:`Plan`, or a builder ``epoch -> Plan`` used for epochs
+    ``start_epoch .. epochs - 1``. End-of-stream follows the last step of the last epoch.
+    ``start_step`` starts inside the first epoch; ``start_index`` is the stream index of that
+    step (default: the steps of the earlier epochs plus ``start_step``), which keys the
+    round-robin dispatch. Prefer :meth:`load_state_dict` to resume. ``reorder_window`` (default
+    ``2 * num_workers``) is how many steps workers may claim beyond those dispatched.
+    """
+
+    def __init__(self, dataset: TokenDataset, plan: Plan | Callable[[int], Plan], *, rank: int,
+                 num_workers: int, out_channels: Sequence[Channel], sample_anchors: AnchorSampler,
+                 num_anchors: int, block_size: int, seed: int, pin_memory: bool,
+                 stop: threading.Event, epochs: int | None = None, start_epoch: int = 0,
+                 start_step: int = 0, start_index: int | None = None,
+                 reorder_window: int | None = None, name: str = "prefetch") -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1 (pipeline.prefetch_workers), "
+                             f"got {num_workers}")
+        if not out_channels:
+            raise ValueError("the prefetcher needs at least one output channel")
+        if isinstance(plan, Plan):
+            if epochs is not None:
+                raise ValueError("pass either one Plan or a plan builder with epochs, not both")
+            self._build_plan: Callable[[int], Plan] = lambda epoch: plan
+            start_epoch, epochs = plan.epoch, plan.epoch + 1
+            start_index = start_step if start_index is None else start_index
+        else:
+            if epochs is None:
+                raise ValueError("a plan builder needs epochs (training.epochs)")
+            self._build_plan = plan
+        if pin_memory and not torch.cuda.is_available():
+            warnings.warn("pin_memory has no effect without CUDA; batches stay in pageable memory",
+                          stacklevel=2)
+            pin_memory = False
+        super().__init__(name, stop=stop, outputs=out_channels, num_busy_threads=num_workers)
+        self.dataset = dataset
+        self.rank = rank
+        self.num_workers = num_workers
+        self.sample_anchors = sample_anchors
+        self.num_anchors = num_anchors
+        self.block_size = block_size
+        self.seed = seed
+        self.pin_memory = pin_memory
+        self.epochs = epochs
+        self.reorder_window = reorder_window or 2 * num_workers
+        self._world_size: int | None = None
+        self._cond = threading.Condition()
+        self._plan: Plan | None = None
+        self._set_position(start_epoch, start_step, start_index)
+        self._metrics = _DispatchMetrics()
+
+    def _set_position(self, epoch: int, step: int, index: int | None) -> None:
+        if index is None:
+            index = step + sum(len(self._build_plan(e)) for e in range(epoch))
+        # Claim cursor (workers), dispatch cursor, end marker, and acknowledged watermark.
+        self._epoch, self._step, self._next_index = epoch, step, index
+        self._emitted = index
+        self._final_index: int | None = None
+        self._done: dict[int, Batch] = {}
+        self._ack_position = (epoch, step, index)
+        self._acked: dict[int, tuple[int, int]] = {}
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the dispatcher and the workers."""
+        super().start()
+        for w in range(self.num_workers):
+            self.spawn(self._work, f"worker{w}")
+
+    def run(self) -> None:
+        """Dispatcher: reorder buffer -> output channels, in stream order."""
+        while True:
+            with self._cond:
+                while self._emitted not in self._done:
+                    if self._final_index is not None and self._emitted >= self._final_index:
+                        return
+                    if self.stop.is_set():
+                        raise StopRequested
+                    self._cond.wait(POLL_S)
+                batch = self._done.pop(self._emitted)
+            self.outputs[batch.stream_index % len(self.outputs)].put(batch)
+            self._metrics.record(batch)
+            with self._cond:
+                self._emitted += 1
+                self._cond.notify_all()
+
+    def _work(self) -> None:
+        while (claim := self._claim()) is not None:
+            index, plan, step = claim
+            with self.busy():
+                batch = self._collate(plan, step, index)
+            with self._cond:
+                self._done[index] = batch
+                self._cond.notify_all()
+
+    def _claim(self) -> tuple[int, Plan, int] | None:
+        """The next (stream index, plan, step) from the shared counter, or None at the end."""
+        with self._cond:
+            while self._next_index - self._emitted >= self.reorder_window:
+                if self.stop.is_set():
+                    raise StopRequested
+                self._cond.wait(POLL_S)
+            if self.stop.is_set():
+                raise StopRequested
+            while True:
+                if self._epoch >= self.epochs:
+                    self._final_index = self._next_index
+                    self._cond.notify_all()
+                    return None
+                # Built under the lock, once per epoch (a fraction of a second); the other
+                # workers would have to wait for it anyway.
+                if self._plan is None or self._plan.epoch != self._epoch:
+                    self._plan = self._checked_plan(self._epoch)
+                if self._step < len(self._plan):
+                    break
+                self._epoch, self._step = self._epoch + 1, 0
+            claim = (self._next_index, self._plan, self._step)
+            self._next_index += 1
+            self._step += 1
+            return claim
+
+    def _checked_plan(self, epoch: int) -> Plan:
+        plan = self._build_plan(epoch)
+        if plan.epoch != epoch:
+            raise ValueError(f"the plan builder returned epoch {plan.epoch} for epoch {epoch}")
+        if self._world_size is not None and plan.world_size != self._world_size:
+            raise ValueError(f"data state was saved with {self._world_size} data-parallel ranks, "
+                             f"this run has {plan.world_size}; resume with the same world size")
+        if not 0 <= self.rank < plan.world_size:
+            raise ValueError(f"rank {self.rank} outside the plan's {plan.world_size} ranks")
+        self._world_size = plan.world_size
+        return plan
+
+    # -- collate -------------------------------------------------------------------------
+
+    def _collate(self, plan: Plan, step_index: int, index: int) -> Batch:
+        step = plan.steps[step_index]
+        ids = step.batches[self.rank]
+        rows = [self.dataset[int(i)] for i in ids]
+        lens = np.asarray([len(tokens) for tokens, _ in rows], dtype=np.int64)
+        for i, (tokens, mask), planned in zip(ids, rows, self.dataset.lengths[ids]):
+            if len(tokens) != planned or len(mask) != len(tokens):
+                raise ValueError(f"sample {int(i)}: dataset returned {len(tokens)} ids and "
+                                 f"{len(mask)} mask values, its stored length is {int(planned)}; "
+                                 f"the token store is inconsistent, rebuild it")
+        width = int(lens.max())
+        input_ids = np.zeros((len(rows), width), dtype=np.int64)
+        loss_mask = np.zeros((len(rows), width), dtype=bool)
+        for r, (tokens, mask) in enumerate(rows):
+            input_ids[r, :lens[r]] = tokens
+            loss_mask[r, :lens[r]] = mask
+        loss_mask_t = torch.from_numpy(loss_mask)
+        generator = torch.Generator().manual_seed(step_seed(self.seed, plan.epoch, step_index,
+                                                            self.rank))
+        seq_lens = torch.from_numpy(lens)
+        # seq_lens keeps every block inside its row's real tokens, not the padded width.
+        anchors, keep = self.sample_anchors(loss_mask_t, self.num_anchors, self.block_size,
+                                            generator, seq_lens=seq_lens)
+        batch = Batch(input_ids=torch.from_numpy(input_ids), loss_mask=loss_mask_t,
+                      attention_mask=torch.from_numpy(np.arange(width) < lens[:, None]),
+                      seq_lens=seq_lens, anchors=anchors, keep=keep,
+                      sample_ids=np.asarray(ids, dtype=np.int64), bucket=step.bucket,
+                      epoch=plan.epoch, step=step_index, stream_index=index,
+                      num_tokens=int(lens.sum()), num_loss_tokens=int(loss_mask.sum()))
+        return batch.pin_memory() if self.pin_memory else batch
+
+    # -- resume ------------------------------------------------------------------------
+
+    def acknowledge(self, batch: Batch) -> None:
+        """Record that the consumer trained on ``batch`` (call after its optimizer step)."""
+        with self._cond:
+            epoch, step, index = self._ack_position
+            if batch.stream_index < index or batch.stream_index in self._acked:
+                raise ValueError(f"batch at stream index {batch.stream_index} (epoch "
+                                 f"{batch.epoch}, step {batch.step}) was already acknowledged")
+            self._acked[batch.stream_index] = (batch.epoch, batch.step)
+            while index in self._acked:
+                epoch, step = self._acked.pop(index)
+                step += 1
+                index += 1
+            self._ack_position = (epoch, step, index)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The first position not acknowledged: a resumed run starts there."""
+        with self._cond:
+            epoch, step, index = self._ack_position
+        return {"version": STATE_VERSION, "epoch": epoch, "step": step, "stream_index": index,
+                "seed": self.seed, "world_size": self._world_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from :meth:`state_dict` (before :meth:`start`)."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"prefetcher state version {state.get('version')!r} is not "
+                             f"{STATE_VERSION}; this checkpoint's data position cannot be read")
+        if state["seed"] != self.seed:
+            raise ValueError(f"checkpoint data order used training.seed={state['seed']}, this "
+                             f"run uses {self.seed}; resume with the same seed")
+        if self._started:
+            raise RuntimeError("load_state_dict must be called before start()")
+        self._set_position(state["epoch"], state["step"], state["stream_index"])
+        self._world_size = state["world_size"]
+
+    # -- metrics ------------------------------------------------------------------------
+
+    def collect_metrics(self) -> dict[str, float]:
+        """Dispatch statistics since the previous call (see ``_DispatchMetrics``)."""
+        num_buckets = self._plan.num_buckets if self._plan is not None else 0
+        return self._metrics.collect(num_buckets)
+
+
+class _DispatchMetrics:
+    """Windowed counters of dispatched batches; thread-safe (dispatcher vs monitor)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last_bucket: int | None = None
+        self._run = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        self._dispatched: dict[int, int] = {}
+        self._num_seqs = 0
+        self._len_sum = 0
+        self._len_max = 0
+        self._len_min: int | None = None
+        self._real = 0
+        self._padded = 0
+        self._max_run = self._run
+
+    def record(self, batch: Batch) -> None:
+        rows, width = batch.shape
+        shortest = int(batch.seq_lens.min())
+        with self._lock:
+            self._dispatched[batch.bucket] = self._dispatched.get(batch.bucket, 0) + 1
+            self._run = self._run + 1 if batch.bucket == self._last_bucket else 1
+            self._last_bucket = batch.bucket
+            self._max_run = max(self._max_run, self._run)
+            self._num_seqs += rows
+            self._len_sum += batch.num_tokens
+            self._len_max = max(self._len_max, width)
+            self._len_min = shortest if self._len_min is None else min(self._len_min, shortest)
+            self._real += batch.num_tokens
+            self._padded += rows * width
+
+    def collect(self, num_buckets: int) -> dict[str, float]:
+        with self._lock:
+            metrics = {f"data/bucket/{b}/dispatched": float(self._dispatched.get(b, 0))
+                       for b in range(max(num_buckets, max(self._dispatched, default=-1) + 1))}
+            if self._num_seqs:
+                metrics.update({
+                    "data/seq_len_mean": self._len_sum / self._num_seqs,
+                    "data/seq_len_max": float(self._len_max),
+                    "data/seq_len_min": float(self._len_min or 0),
+                    "data/padding_efficiency": self._real / self._padded,
+                })
+            metrics["data/same_bucket_run"] = float(self._run)
+            metrics["data/max_same_bucket_run"] = float(self._max_run)
+            self._reset()
+        return metrics
