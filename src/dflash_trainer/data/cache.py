@@ -1,0 +1,164 @@
+"""Memory-mapped token store: the tokenized data set on disk, read one sample at a time.
+
+A store is a folder::
+
+    tokens.bin      int32, all samples' token ids back to back
+    loss_mask.bin   uint8, the matching loss mask (1 = supervised)
+    offsets.npy     int64, sample i is [offsets[i], offsets[i+1])
+    supervised.npy  int64, supervised tokens per sample
+    meta.json       format version, counts, the cache key and the preparation statistics
+
+Stores live under a cache folder, named by a fingerprint of everything that decides their
+content (data files, tokenizer, chat template, options), and are written under a temporary name
+and renamed into place, so a reader never sees a half-written store and an unchanged input finds
+its store again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from dflash_trainer.assets import write_dir_atomically
+
+FORMAT_VERSION = 1
+_FILES = ("tokens.bin", "loss_mask.bin", "offsets.npy", "supervised.npy", "meta.json")
+
+
+def fingerprint(parts: Any) -> str:
+    """Stable sha256 (hex, 24 chars) of JSON-serialisable parts."""
+    text = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Hash of what decides token ids: the tokenizer model, special tokens and chat template."""
+    digest = hashlib.sha256()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    digest.update(backend.to_str().encode() if backend is not None
+                  else json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
+    digest.update(json.dumps(
+        {"class": type(tokenizer).__name__, "special": tokenizer.special_tokens_map,
+         "template": tokenizer.chat_template}, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:24]
+
+
+def file_fingerprint(path: Path) -> dict[str, Any]:
+    """Identity of a data file by resolved path, size and modification time."""
+    stat = Path(path).stat()
+    return {"path": str(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+class TokenStoreWriter:
+    """Appends samples to a store folder being built (see :meth:`TokenStore.build`)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._tokens: BinaryIO = open(folder / "tokens.bin", "wb")
+        self._mask: BinaryIO = open(folder / "loss_mask.bin", "wb")
+        self._offsets = [0]
+        self._supervised: list[int] = []
+
+    def add(self, input_ids: np.ndarray, loss_mask: np.ndarray) -> None:
+        """Append one sample."""
+        ids = np.ascontiguousarray(input_ids, dtype=np.int32)
+        mask = np.ascontiguousarray(loss_mask, dtype=np.uint8)
+        assert ids.ndim == 1 and ids.shape == mask.shape, (ids.shape, mask.shape)
+        self._tokens.write(ids.tobytes())
+        self._mask.write(mask.tobytes())
+        self._offsets.append(self._offsets[-1] + len(ids))
+        self._supervised.append(int(mask.sum()))
+
+    def __len__(self) -> int:
+        return len(self._supervised)
+
+    def close(self, meta: dict[str, Any]) -> None:
+        """Flush the arrays and write ``meta.json`` (counts are added to ``meta``)."""
+        self._tokens.close()
+        self._mask.close()
+        np.save(self.folder / "offsets.npy", np.asarray(self._offsets, dtype=np.int64))
+        np.save(self.folder / "supervised.npy", np.asarray(self._supervised, dtype=np.int64))
+        meta = {"format_version": FORMAT_VERSION, "num_samples": len(self),
+                "num_tokens": self._offsets[-1], **meta}
+        (self.folder / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+class TokenStore:
+    """Read-only view of a store folder; samples are memory-mapped, never loaded all at once."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        missing = [name for name in _FILES if not (self.path / name).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{self.path} is not a token store (missing {missing})")
+        self.meta: dict[str, Any] = json.loads((self.path / "meta.json").read_text())
+        if self.meta.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"{self.path}: token store format {self.meta.get('format_version')}"
+                             f" is not {FORMAT_VERSION}; delete it and run prepare again")
+        self.offsets: np.ndarray = np.load(self.path / "offsets.npy", mmap_mode="r")
+        self.supervised: np.ndarray = np.load(self.path / "supervised.npy")
+        """Supervised (loss-mask) tokens per sample."""
+        self.lengths: np.ndarray = np.diff(self.offsets)
+        """Tokens per sample."""
+        total = int(self.offsets[-1])
+        self._tokens = self._map("tokens.bin", np.int32, total)
+        self._mask = self._map("loss_mask.bin", np.uint8, total)
+
+    def _map(self, name: str, dtype: type, size: int) -> np.ndarray:
+        # np.memmap refuses empty files; an empty store has nothing to map.
+        if size == 0:
+            return np.zeros(0, dtype=dtype)
+        return np.memmap(self.path / name, dtype=dtype, mode="r", shape=(size,))
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The preparation statistics stored with the data."""
+        return self.meta.get("stats", {})
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids int32, loss_mask uint8) of sample ``i``, as fresh arrays."""
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} out of range for a store of {n}")
+        i %= n
+        start, stop = int(self.offsets[i]), int(self.offsets[i + 1])
+        return np.array(self._tokens[start:stop]), np.array(self._mask[start:stop])
+
+    @classmethod
+    def build(cls, path: Path, fill: Callable[[TokenStoreWriter], dict[str, Any]]) -> TokenStore:
+        """Create the store at ``path`` atomically: ``fill`` adds the samples and returns the
+        extra meta data; a crash inside ``fill`` leaves no store behind."""
+        def write(folder: Path) -> None:
+            writer = TokenStoreWriter(folder)
+            try:
+                meta = fill(writer)
+            except BaseException:
+                writer._tokens.close()
+                writer._mask.close()
+                raise
+            writer.close(meta)
+
+        write_dir_atomically(Path(path), write)
+        return cls(path)
+
+
+def find_store(path: Path) -> TokenStore | None:
+    """The complete store at ``path``, or None if there is none (or an outdated one)."""
+    if not (Path(path) / "meta.json").is_file():
+        return None
+    try:
+        return TokenStore(path)
+    except (FileNotFoundError, ValueError):
+        return None

@@ -1,0 +1,186 @@
+"""Data ingestion: file kinds, record formats, role normalisation, locations of bad input."""
+
+import json
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dflash_trainer.data import formats
+from dflash_trainer.data.formats import (Conversation, DataError, ReadStats, Rejected, Source,
+                                         SourceStats, Tokenized, expand_paths, read_records,
+                                         read_source)
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"}]
+SHAREGPT = {"id": "x", "conversations": [{"from": "system", "value": "Be brief."},
+                                         {"from": "human", "value": "Hi"},
+                                         {"from": "gpt", "value": "Hello"}]}
+
+
+def _read(path: Path, **kwargs) -> list:
+    return list(read_records(expand_paths([str(path)]), **kwargs))
+
+
+def _write_jsonl(path: Path, lines: list) -> Path:
+    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    return path
+
+
+def test_openai_and_sharegpt_records_normalise_to_the_same_messages(tmp_path):
+    a = _write_jsonl(tmp_path / "a.jsonl", [{"messages": CHAT}])
+    b = tmp_path / "b.json"
+    b.write_text(json.dumps([SHAREGPT], indent=2))
+    (ra,), (rb,) = _read(a), _read(b)
+    assert isinstance(ra, Conversation) and isinstance(rb, Conversation)
+    assert ra.messages == rb.messages == CHAT  # system prompt kept, roles normalised
+    assert str(ra.location) == f"{a}:1 (record 0)"
+    assert str(rb.location) == f"{b}:2 (record 0)"
+
+
+@pytest.mark.parametrize("raw,role", [("human", "user"), ("USER", "user"), ("gpt", "assistant"),
+                                      ("chatgpt", "assistant"), ("bing", "assistant"),
+                                      ("bard", "assistant"), ("assistant", "assistant"),
+                                      ("system", "system")])
+def test_role_aliases(tmp_path, raw, role):
+    path = _write_jsonl(tmp_path / "r.jsonl", [{"conversations": [{"from": raw, "value": "x"}]}])
+    (record,) = _read(path)
+    assert record.messages == [{"role": role, "content": "x"}]
+
+
+def test_openai_text_content_parts_are_joined(tmp_path):
+    parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
+    path = _write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": parts}]}])
+    assert _read(path)[0].messages == [{"role": "user", "content": "Hello"}]
+
+
+def test_pretokenized_records(tmp_path):
+    path = _write_jsonl(tmp_path / "t.jsonl", [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}])
+    (record,) = _read(path)
+    assert isinstance(record, Tokenized)
+    assert (record.input_ids, record.loss_mask) == ([5, 6, 7], [0, 1, 1])
+
+
+def test_parquet_file(tmp_path):
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist([{"messages": CHAT}, {"messages": CHAT[1:]}]), path)
+    records = _read(path)
+    assert [r.messages for r in records] == [CHAT, CHAT[1:]]
+    assert str(records[1].location) == f"{path} (record 1)"
+
+
+def _save_to_disk(folder: Path, rows: list[dict]) -> None:
+    """What datasets' save_to_disk writes: Arrow IPC stream shards + state/info JSON."""
+    folder.mkdir(parents=True)
+    table = pa.Table.from_pylist(rows)
+    names = []
+    for i, part in enumerate([table.slice(0, 1), table.slice(1)]):
+        name = f"data-{i:05d}-of-00002.arrow"
+        with pa.ipc.new_stream(folder / name, part.schema) as writer:
+            writer.write_table(part)
+        names.append(name)
+    (folder / "state.json").write_text(json.dumps(
+        {"_data_files": [{"filename": n} for n in names], "_split": "train"}))
+    (folder / "dataset_info.json").write_text("{}")
+
+
+def test_hf_save_to_disk_folder_and_dataset_dict(tmp_path):
+    rows = [SHAREGPT, {"id": "y", "conversations": SHAREGPT["conversations"][1:]}]
+    _save_to_disk(tmp_path / "ds", rows)
+    assert [r.messages for r in _read(tmp_path / "ds")] == [CHAT, CHAT[1:]]
+    _save_to_disk(tmp_path / "dd" / "train", rows)
+    _save_to_disk(tmp_path / "dd" / "test", rows[:1] * 2)
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    assert len(_read(tmp_path / "dd")) == 2
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["test"]}')
+    with pytest.raises(DataError, match="without a 'train' split"):
+        expand_paths([str(tmp_path / "dd")])
+
+
+def test_plain_folder_is_expanded_in_sorted_order(tmp_path):
+    _write_jsonl(tmp_path / "b.jsonl", [{"messages": CHAT[1:]}])
+    _write_jsonl(tmp_path / "a.jsonl", [{"messages": CHAT}])
+    (tmp_path / "notes.txt").write_text("ignored")
+    sources = expand_paths([str(tmp_path)])
+    assert [s.path.name for s in sources] == ["a.jsonl", "b.jsonl"]
+
+
+def test_truncated_json_array_recovers_every_complete_record(tmp_path, monkeypatch):
+    # A tiny buffer makes records straddle chunk boundaries.
+    monkeypatch.setattr(formats, "_CHUNK_CHARS", 7)
+    text = json.dumps([SHAREGPT] * 3, indent=1)
+    path = tmp_path / "cut.json"
+    path.write_text(text[: len(text) - 40])
+    stats = SourceStats(path=str(path))
+    records = list(read_source(Source(path=path, kind="json"), stats=stats))
+    assert [type(r) for r in records] == [Conversation, Conversation, Rejected]
+    assert "truncated" in records[-1].message and stats.truncated_tail
+    # The user-data default raises, naming the file and line of the cut record.
+    with pytest.raises(DataError, match=rf"cut\.json:{records[-1].location.line} \(record 2\)"):
+        _read(path)
+    assert len(_read(path, on_error="skip")) == 3
+
+
+def test_embedded_sharegpt_file_is_read_incrementally_and_its_tail_is_truncated():
+    stats = ReadStats()
+    records = list(read_records(expand_paths(["sharegpt"]), stats=stats))
+    (source,) = stats.sources
+    assert source.truncated_tail and source.malformed == 1
+    assert source.records - 1 == 17671  # every complete record of the cut-off array
+    assert sum(isinstance(r, Conversation) for r in records) == 17545
+
+
+def test_malformed_jsonl_line_names_file_and_line(tmp_path):
+    path = _write_jsonl(tmp_path / "bad.jsonl",
+                        [{"messages": CHAT}, "{not json", {"messages": CHAT}])
+    with pytest.raises(DataError, match=r"bad\.jsonl:2 \(record 1\): invalid JSON"):
+        _read(path)
+    records = _read(path, on_error="skip")
+    assert [type(r) for r in records] == [Conversation, Rejected, Conversation]
+
+
+@pytest.mark.parametrize("record,message", [
+    ({"messages": [{"role": "user"}]}, "message 0: missing field 'content'"),
+    ({"conversations": [{"value": "x"}]}, "message 0: missing field 'from'"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "message 0: unknown role 'wizard'"),
+    ({"messages": [{"role": "user", "content": None}]}, "content must be a string"),
+    ({"messages": "hi"}, "expected a list of messages"),
+    ({"text": "hi"}, "none of the fields 'messages'"),
+    ({"input_ids": [1, 2]}, "no 'loss_mask'"),
+    ({"input_ids": [1, 2], "loss_mask": [1]}, "'input_ids' has 2 tokens but 'loss_mask' 1"),
+    ([1, 2], "expected a JSON object"),
+])
+def test_bad_records_raise_with_location_or_are_skipped(tmp_path, record, message):
+    path = _write_jsonl(tmp_path / "x.jsonl", [{"messages": CHAT}, record])
+    with pytest.raises(DataError, match=r"x\.jsonl:2 \(record 1\): .*" + re.escape(message)):
+        _read(path)
+    skipped = _read(path, on_error="skip")
+    assert isinstance(skipped[1], Rejected) and skipped[1].reason == "malformed"
+
+
+def test_empty_conversation_is_rejected_but_not_an_error(tmp_path):
+    path = _write_jsonl(tmp_path / "e.jsonl", [{"conversations": []}, {"messages": CHAT}])
+    first, second = _read(path)  # no DataError even under on_error=raise
+    assert isinstance(first, Rejected) and first.reason == "empty"
+    assert "e.jsonl:1" in first.describe()
+    assert isinstance(second, Conversation)
+
+
+def test_explicit_format_requires_its_field(tmp_path):
+    path = _write_jsonl(tmp_path / "f.jsonl", [SHAREGPT])
+    with pytest.raises(DataError, match=r"no 'messages' field \(data.format=messages\)"):
+        _read(path, format="messages")
+    assert isinstance(_read(path, format="sharegpt")[0], Conversation)
+
+
+def test_missing_path_and_unsupported_file(tmp_path):
+    with pytest.raises(DataError, match="'nope.jsonl': no such file or folder"):
+        expand_paths(["nope.jsonl"])
+    (tmp_path / "d.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported type '.csv'"):
+        expand_paths([str(tmp_path / "d.csv")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="contains no"):
+        expand_paths([str(tmp_path / "empty")])

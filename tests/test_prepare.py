@@ -1,0 +1,165 @@
+"""prepare: read -> tokenize -> token store, drop accounting, reuse, held-out, CLI."""
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import yaml
+
+from dflash_trainer.assets import load_tokenizer, resolve_target
+from dflash_trainer.cli import main as cli_main
+from dflash_trainer.config import load_config
+from dflash_trainer.data.formats import Conversation, DataError, Location
+from dflash_trainer.data.prepare import build_dataset, format_report, heldout_conversations
+from dflash_trainer.data.tokenize import ChatTokenizer, TemplateError, TokenizeOptions
+
+LONG = " ".join(f"w{i}" for i in range(40))  # ~80 tokens: enough supervision
+
+
+def _chat(q: str, a: str) -> dict:
+    return {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_tokenizer(resolve_target("smollm2"))
+
+
+@pytest.fixture
+def data(tmp_path):
+    lines = [
+        _chat("held 0", LONG), _chat("held 1", LONG),           # held out (heldout_samples=2)
+        _chat("q0", LONG),
+        {"conversations": []},                                   # empty
+        {"messages": [{"role": "user", "content": "alone"}]},    # no assistant turn
+        _chat("q1", "short"),                                    # too short (< 32 supervised)
+        _chat("q2", LONG + " " + LONG + " " + LONG),             # too long (max_length 200, drop)
+        "{broken json",                                          # malformed
+        _chat("q3", LONG),
+        _chat("q4", LONG),
+    ]
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    return path
+
+
+def _cfg(tmp_path, path, *extra):
+    return load_config(None, [f"data.paths=[{path}]", f"data.cache_dir={tmp_path / 'cache'}",
+                              "data.heldout_samples=2", "data.max_length=200",
+                              "data.on_too_long=drop", "data.on_error=skip", *extra])
+
+
+def test_build_counts_every_drop_reason_and_stores_the_samples(tmp_path, data, smol):
+    cfg = _cfg(tmp_path, data)
+    store, stats = build_dataset(cfg, tokenizer=smol, log=None)
+    assert stats.heldout == 2 and stats.records_read == 8
+    assert stats.dropped == {"malformed": 1, "empty": 1, "no_assistant": 1, "too_short": 1,
+                             "too_long": 1}
+    assert stats.kept == len(store) == 3
+    assert "chats.jsonl:8 (record 7): invalid JSON" in stats.examples["malformed"][0]
+    chat = ChatTokenizer(smol, TokenizeOptions.from_config(cfg))
+    for i, question in enumerate(["q0", "q3", "q4"]):
+        expected = chat.encode(Conversation(_chat(question, LONG)["messages"], Location("x", 0)))
+        ids, mask = store[i]
+        assert ids.tolist() == expected.input_ids.tolist()
+        assert mask.tolist() == expected.loss_mask.tolist()
+    assert stats.total_tokens == int(store.lengths.sum())
+    assert stats.supervised_tokens == int(store.supervised.sum()) > 0
+    report = format_report(stats, store, cfg.data.max_length)
+    for label in ("records read", "kept", "malformed", "empty conversation", "no assistant turn",
+                  "too short", "too long", "supervised tokens", "#"):
+        assert label in report
+
+
+def test_unchanged_input_reuses_the_store_without_tokenizing(tmp_path, data, smol, monkeypatch):
+    cfg = _cfg(tmp_path, data)
+    first, _ = build_dataset(cfg, tokenizer=smol, log=None)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("retokenized")
+
+    monkeypatch.setattr(ChatTokenizer, "encode_batch", refuse)
+    again, stats = build_dataset(cfg, tokenizer=smol, log=None)
+    assert stats.reused and again.path == first.path and stats.kept == 3
+    # Any change of data, options or chat template is a different store.
+    monkeypatch.undo()
+    with open(data, "a") as f:
+        f.write(json.dumps(_chat("q5", LONG)) + "\n")
+    changed, stats = build_dataset(cfg, tokenizer=smol, log=None)
+    assert not stats.reused and changed.path != first.path and len(changed) == 4
+    other_template = copy.deepcopy(smol)
+    other_template.chat_template = smol.chat_template.replace("\n'}}", "\n\n'}}")
+    _, stats = build_dataset(cfg, tokenizer=other_template, log=None)
+    assert not stats.reused
+    _, stats = build_dataset(_cfg(tmp_path, data, "data.max_length=300"), tokenizer=smol, log=None)
+    assert not stats.reused
+
+
+def test_heldout_and_max_samples(tmp_path, data, smol):
+    cfg = _cfg(tmp_path, data)
+    assert heldout_conversations(cfg) == [_chat("held 0", LONG)["messages"],
+                                          _chat("held 1", LONG)["messages"]]
+    store, stats = build_dataset(_cfg(tmp_path, data, "data.max_samples=1"), tokenizer=smol,
+                                 log=None)
+    assert stats.records_read == 1 and stats.max_samples_reached and len(store) == 1
+    ids, _ = store[0]
+    assert "q0" in smol.decode(ids.tolist())  # the held-out records never reach training
+    assert stats.sources[0]["stopped_early"] and stats.sources[0]["records"] == 3
+
+
+def test_heldout_conversations_of_the_embedded_set_start_with_a_user_turn():
+    cfg = load_config(None, ["data.heldout_samples=20"])
+    conversations = heldout_conversations(cfg)
+    assert 15 <= len(conversations) <= 20
+    for messages in conversations:
+        roles = [m["role"] for m in messages if m["role"] != "system"]
+        assert roles[0] == "user" and set(roles) <= {"user", "assistant"}
+
+
+def test_malformed_user_data_raises_by_default(tmp_path, data, smol):
+    cfg = _cfg(tmp_path, data, "data.on_error=auto")
+    with pytest.raises(DataError, match=r"chats\.jsonl:8 \(record 7\): invalid JSON"):
+        build_dataset(cfg, tokenizer=smol, log=None)
+    assert not list((tmp_path / "cache").glob("*"))  # nothing half-written is left
+
+
+def test_tokenizer_without_chat_template(tmp_path, data, smol):
+    plain = copy.deepcopy(smol)
+    plain.chat_template = None
+    with pytest.raises(TemplateError, match=r"chats\.jsonl:3 \(record 2\): .*no chat template"):
+        build_dataset(_cfg(tmp_path, data), tokenizer=plain, log=None)
+
+
+def test_truncated_user_json_array_is_reported(tmp_path, smol):
+    text = json.dumps([_chat(f"q{i}", LONG) for i in range(3)])
+    path = tmp_path / "cut.json"
+    path.write_text(text[:-30])
+    store, stats = build_dataset(_cfg(tmp_path, path, "data.heldout_samples=0"), tokenizer=smol,
+                                 log=None)
+    assert len(store) == 2 and stats.dropped["malformed"] == 1
+    assert stats.sources[0]["truncated_tail"]
+    assert "truncated at its end: 2 complete records recovered" in format_report(stats, store, 200)
+
+
+def test_cli_prepare_end_to_end_on_the_embedded_sharegpt(tmp_path, capsys):
+    args = ["prepare", "--config", "configs/demo-cpu.yaml", "data.max_samples=40",
+            "data.heldout_samples=4", f"data.cache_dir={tmp_path}"]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert "records read                 40   (+4 held out for evaluation)" in out
+    (store_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    stats = json.loads((store_dir / "stats.json").read_text())
+    assert stats["records_read"] == 40 and stats["kept"] > 20 and not stats["reused"]
+    assert yaml.safe_load((store_dir / "config.yaml").read_text())["data"]["max_samples"] == 40
+    lengths = np.diff(np.load(store_dir / "offsets.npy"))
+    assert lengths.max() <= 1024 and stats["total_tokens"] == int(lengths.sum())
+    assert cli_main(args) == 0
+    assert "reused" in capsys.readouterr().out
+
+
+def test_cli_prepare_reports_a_missing_path(tmp_path, capsys):
+    code = cli_main(["prepare", "--data", str(tmp_path / "missing.jsonl"),
+                     f"data.cache_dir={tmp_path}"])
+    assert code == 1
+    assert "missing.jsonl': no such file or folder" in capsys.readouterr().err

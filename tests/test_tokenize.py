@@ -1,0 +1,269 @@
+"""Chat template -> input ids + assistant-only loss mask, with exact expected masks.
+
+Expected samples are written as (text piece, supervised) segments: the expected ids are those of
+the joined text, the expected mask is 1 exactly on the tokens inside supervised pieces (no token
+may straddle two pieces).
+"""
+
+import copy
+
+import numpy as np
+import pytest
+
+from dflash_trainer.assets import load_tokenizer, resolve_target
+from dflash_trainer.data.formats import Conversation, Location, Tokenized
+from dflash_trainer.data.tokenize import (ChatTokenizer, Dropped, Encoded, TemplateError,
+                                          TokenizeOptions, trim_conversation)
+
+LOC = Location("test.jsonl", 0, 1)
+SMOL_SYSTEM = ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+               "Hugging Face<|im_end|>\n")
+
+# Qwen3-style: earlier assistant turns lose their <think> block, the turn after the last user
+# message keeps it, and enable_thinking=false pre-fills an empty think block in the prompt.
+QWEN3_LIKE = (
+    "{%- set ns = namespace(last_query=-1) -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' -%}{%- set ns.last_query = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{%- set content = m.content -%}{%- set reasoning = '' -%}"
+    "{%- if '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) -%}"
+    "{% generation %}"
+    "{{- '<think>\\n' + reasoning + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' -}}"
+    "{% endgeneration %}"
+    "{%- else -%}"
+    "{% generation %}{{- content + '<|im_end|>\\n' -}}{% endgeneration %}"
+    "{%- endif -%}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}"
+    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}{%- endif -%}"
+)
+QWEN3_NO_MARKERS = (QWEN3_LIKE.replace("{% generation %}", "")
+                    .replace("{% endgeneration %}", ""))
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return load_tokenizer(resolve_target("smollm2"))
+
+
+def _with_template(tokenizer, template):
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = template
+    return tok
+
+
+def _opts(**kw) -> TokenizeOptions:
+    return TokenizeOptions(**{"min_supervised_tokens": 1, **kw})
+
+
+def _conv(*turns: tuple[str, str]) -> Conversation:
+    return Conversation([{"role": r, "content": c} for r, c in turns], LOC)
+
+
+def _expect(tok, segments: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
+    """Ids of the joined text; mask = the flag of the segment holding each token's characters
+    (every token must lie inside one segment, so the expectation is unambiguous)."""
+    text = "".join(t for t, _ in segments)
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    bounds, flags, pos = [], [], 0
+    for piece, supervised in segments:
+        bounds.append((pos, pos + len(piece)))
+        flags.append(supervised)
+        pos += len(piece)
+    mask = []
+    for start, end in enc["offset_mapping"]:
+        (k,) = [k for k, (a, b) in enumerate(bounds) if a <= start and end <= b]
+        mask.append(flags[k])
+    return list(enc["input_ids"]), mask
+
+
+def _check(tok, options, conversation, segments) -> Encoded:
+    encoded = ChatTokenizer(tok, options).encode(conversation)
+    assert isinstance(encoded, Encoded), encoded
+    ids, mask = _expect(tok, segments)
+    assert encoded.input_ids.tolist() == ids
+    assert encoded.loss_mask.tolist() == mask
+    assert encoded.input_ids.dtype == np.int32 and encoded.loss_mask.dtype == np.uint8
+    return encoded
+
+
+def test_smollm2_chatml_mask_spelled_out(smol):
+    encoded = ChatTokenizer(smol, _opts()).encode(
+        _conv(("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello there")))
+    tokens = smol.convert_ids_to_tokens(encoded.input_ids.tolist())
+    supervised = [t for t, m in zip(tokens, encoded.loss_mask) if m]
+    # content, end-of-turn token and the newline the template emits after it; no header
+    assert supervised == ["Hello", "Ġthere", "<|im_end|>", "Ċ"]
+    assert tokens[-8:-4] == ["<|im_start|>", "ass", "istant", "Ċ"]
+    assert encoded.loss_mask[-8:-4].tolist() == [0, 0, 0, 0]
+
+
+def test_smollm2_multi_turn_exact_and_equal_to_apply_chat_template(smol):
+    conversation = _conv(("user", "Hi"), ("assistant", "Hello there"), ("user", "Bye"),
+                         ("assistant", "Ciao"))
+    encoded = _check(smol, _opts(), conversation, [
+        (SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("Hello there<|im_end|>\n", 1),
+        ("<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("Ciao<|im_end|>\n", 1),
+    ])
+    reference = smol.apply_chat_template(conversation.messages, tokenize=True, return_dict=True)
+    assert encoded.input_ids.tolist() == list(reference["input_ids"])
+
+
+def test_last_turn_only_supervises_only_the_last_answer(smol):
+    _check(smol, _opts(last_turn_only=True),
+           _conv(("user", "Hi"), ("assistant", "Hello"), ("user", "Bye"), ("assistant", "Ciao")), [
+        (SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
+         "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("Ciao<|im_end|>\n", 1),
+    ])
+
+
+def test_leading_assistant_and_trailing_user_turns_are_trimmed(smol):
+    messages, trimmed = trim_conversation(_conv(
+        ("system", "S"), ("assistant", "orphan"), ("user", "Q"), ("assistant", "A"),
+        ("user", "unanswered")).messages)
+    assert trimmed == 1
+    assert [m["content"] for m in messages] == ["S", "Q", "A"]
+    orphan = _conv(("assistant", "orphan"), ("user", "Q"), ("assistant", "A"))
+    encoded = _check(smol, _opts(), orphan, [
+        (SMOL_SYSTEM + "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("A<|im_end|>\n", 1),
+    ])
+    assert encoded.trimmed_leading == 1
+
+
+def test_no_assistant_turn_is_dropped(smol):
+    result = ChatTokenizer(smol, _opts()).encode(_conv(("user", "Q"), ("user", "again")))
+    assert isinstance(result, Dropped) and result.reason == "no_assistant"
+    assert "test.jsonl:1" in result.message
+
+
+@pytest.mark.parametrize("template", [QWEN3_NO_MARKERS, QWEN3_LIKE], ids=["prefix", "markers"])
+def test_qwen3_style_thinking_off(smol, template):
+    tok = _with_template(smol, template)
+    chat = ChatTokenizer(tok, _opts(thinking=False))
+    assert chat.supports_thinking
+    _check(tok, _opts(thinking=False), _conv(("user", "Hi"), ("assistant", "Hello")), [
+        ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
+        # the prompt pre-fills the empty think block, so the model only produces the answer
+        ("<think>\n\n</think>\n\n", 0 if template == QWEN3_NO_MARKERS else 1),
+        ("Hello<|im_end|>\n", 1),
+    ])
+
+
+@pytest.mark.parametrize("template", [QWEN3_NO_MARKERS, QWEN3_LIKE], ids=["prefix", "markers"])
+def test_qwen3_style_thinking_on_supervises_the_think_block(smol, template):
+    tok = _with_template(smol, template)
+    _check(tok, _opts(thinking=True),
+           _conv(("user", "Hi"), ("assistant", "<think>\nLet me see.\n</think>\n\nHello")), [
+        ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("<think>\nLet me see.\n</think>\n\nHello<|im_end|>\n", 1),
+    ])
+
+
+def test_qwen3_style_multi_turn_without_markers_is_refused(smol):
+    tok = _with_template(smol, QWEN3_NO_MARKERS)
+    conversation = _conv(("user", "Hi"), ("assistant", "Hello"), ("user", "Bye"),
+                         ("assistant", "Ciao"))
+    with pytest.raises(TemplateError, match=r"test.jsonl:1 \(record 0\): .*assistant turn 1 .*"
+                                            "last_turn_only"):
+        ChatTokenizer(tok, _opts()).encode(conversation)
+    # Only the last turn's prefix is needed with last_turn_only, and that one is consistent.
+    _check(tok, _opts(last_turn_only=True), conversation, [
+        ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
+         "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n", 0),
+        ("Ciao<|im_end|>\n", 1),
+    ])
+
+
+def test_generation_markers_multi_turn_matches_transformers_assistant_mask(smol):
+    tok = _with_template(smol, QWEN3_LIKE)
+    conversation = _conv(("user", "Hi"), ("assistant", "Hello"), ("user", "Bye"),
+                         ("assistant", "Ciao"))
+    chat = ChatTokenizer(tok, _opts(thinking=False))
+    assert chat.mode == "generation"
+    encoded = _check(tok, _opts(thinking=False), conversation, [
+        ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("Hello<|im_end|>\n", 1),  # history: no think block
+        ("<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("<think>\n\n</think>\n\nCiao<|im_end|>\n", 1),
+    ])
+    reference = tok.apply_chat_template(conversation.messages, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True, enable_thinking=False)
+    assert encoded.loss_mask.tolist() == list(reference["assistant_masks"])
+
+
+def test_truncate_drop_and_min_supervised(smol):
+    conversation = _conv(("user", "Hi"), ("assistant", "one two three four five six"))
+    full = ChatTokenizer(smol, _opts()).encode(conversation)
+    n = len(full.input_ids)
+    cut = ChatTokenizer(smol, _opts(max_length=n - 3)).encode(conversation)
+    assert cut.truncated and cut.input_ids.tolist() == full.input_ids[: n - 3].tolist()
+    assert cut.loss_mask.tolist() == full.loss_mask[: n - 3].tolist()
+    dropped = ChatTokenizer(smol, _opts(max_length=n - 3, on_too_long="drop")).encode(conversation)
+    assert isinstance(dropped, Dropped) and dropped.reason == "too_long"
+    supervised = int(full.loss_mask.sum())
+    short = ChatTokenizer(smol, _opts(min_supervised_tokens=supervised + 1)).encode(conversation)
+    assert isinstance(short, Dropped) and short.reason == "too_short"
+    assert isinstance(ChatTokenizer(smol, _opts(min_supervised_tokens=supervised)).encode(
+        conversation), Encoded)
+
+
+@pytest.mark.parametrize("answer", [
+    " ".join(f"word{i}" for i in range(300)),  # ~3 chars per token: the cut text suffices
+    "-" * 2000 + " ok",  # ~60 chars per token: the cut text is too short, re-rendered in full
+], ids=["cut", "fallback"])
+def test_long_conversations_cut_before_tokenizing_give_identical_samples(smol, answer):
+    conversation = _conv(*[t for i in range(6) for t in (("user", f"q{i}"), ("assistant", answer))])
+    chat = ChatTokenizer(smol, _opts(max_length=200))
+    messages = trim_conversation(conversation.messages)[0]
+    text, _ = chat.render(messages, max_chars=6 * 200)
+    full, _ = chat.render(messages)
+    assert 6 * 200 <= len(text) < len(full) / 2  # the first render really is cut
+    encoded = chat.encode(conversation)
+    reference = ChatTokenizer(smol, _opts(max_length=10**6)).encode(conversation)
+    assert encoded.truncated and len(reference.input_ids) > 200
+    assert encoded.input_ids.tolist() == reference.input_ids[:200].tolist()
+    assert encoded.loss_mask.tolist() == reference.loss_mask[:200].tolist()
+
+
+def test_pretokenized_passthrough_and_vocab_check(smol):
+    chat = ChatTokenizer(smol, _opts())
+    ok = chat.encode(Tokenized([1, 2, 3], [0, 1, 1], LOC))
+    assert ok.input_ids.tolist() == [1, 2, 3] and ok.loss_mask.tolist() == [0, 1, 1]
+    bad = chat.encode(Tokenized([1, len(smol)], [0, 1], LOC))
+    assert isinstance(bad, Dropped) and bad.reason == "malformed"
+    assert "outside the tokenizer's vocabulary" in bad.message
+
+
+def test_tokenizer_without_chat_template_is_a_clear_error(smol):
+    tok = _with_template(smol, None)
+    chat = ChatTokenizer(tok, _opts())
+    assert chat.mode == "none"
+    with pytest.raises(TemplateError, match=r"test.jsonl:1 \(record 0\): .*no chat template"):
+        chat.encode(_conv(("user", "Q"), ("assistant", "A")))
+    # pre-tokenized data needs no template
+    assert isinstance(chat.encode(Tokenized([1, 2], [0, 1], LOC)), Encoded)
+
+
+def test_batch_keeps_order_and_mixes_kinds(smol):
+    chat = ChatTokenizer(smol, _opts())
+    records = [_conv(("user", "a"), ("assistant", "b")), Tokenized([4, 5], [1, 1], LOC),
+               _conv(("user", "only")), _conv(("user", "c"), ("assistant", "d"))]
+    results = chat.encode_batch(records)
+    assert [type(r) for r in results] == [Encoded, Encoded, Dropped, Encoded]
+    assert results[0].input_ids.tolist() == chat.encode(records[0]).input_ids.tolist()
+    assert results[3].input_ids.tolist() == chat.encode(records[3]).input_ids.tolist()
