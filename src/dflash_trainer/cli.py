@@ -121,6 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     cmd = COMMANDS[args.command]
+    # Model-loading progress bars drown the trainer's own output.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     overrides = list(args.overrides)
     for key in cmd.flags.values():
         value = getattr(args, "flag_" + key.replace(".", "__"))

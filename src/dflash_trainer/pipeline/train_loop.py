@@ -1,0 +1,226 @@
+"""The drafter training loop: loss -> backward -> clip -> AdamW -> schedule, with metrics.
+
+Runs on the main thread, fed by the target stage's channel. Every statistic stays on the
+device as a running sum; the only host syncs are in :meth:`get_metrics` (log steps) and in
+the periodic non-finite check, so the GPU queue never drains inside the hot path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dflash_trainer.config import TrainingConfig
+from dflash_trainer.distributed import DistInfo, all_reduce_sum
+from dflash_trainer.optim import LRSchedule
+from dflash_trainer.pipeline.batch import Batch
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient norm."""
+
+
+@dataclass(kw_only=True)
+class StepInput:
+    """What the target stage hands the loop: the batch (on the device) and its features."""
+
+    batch: Batch
+    features: torch.Tensor
+    extras: dict[str, torch.Tensor]
+    """Label inputs from the target (``target_labels`` or ``final_hidden``), if any."""
+    ready: Any = None
+    """A CUDA event recorded on the target stream after the features were written."""
+
+    @property
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """The objective's batch mapping."""
+        b = self.batch
+        return {"input_ids": b.input_ids, "loss_mask": b.loss_mask, "seq_lens": b.seq_lens,
+                "anchors": b.anchors, "keep": b.keep, **self.extras}
+
+
+class DrafterTrainLoop:
+    """Owns the optimizer step of the drafter and its windowed training metrics.
+
+    One call of :meth:`train_micro_batch` per micro-batch; every ``grad_accum`` calls make
+    one optimizer step. The loss of a micro-batch is its weighted CE sum divided by the
+    weight sum of the micro-batch across all data-parallel ranks (all-reduced once), so the
+    gradient does not depend on how tokens fall across ranks.
+    """
+
+    def __init__(self, *, objective: torch.nn.Module, parameters: list[torch.nn.Parameter],
+                 optimizer: torch.optim.Optimizer, schedule: LRSchedule, cfg: TrainingConfig,
+                 dist_info: DistInfo, block_size: int, autocast_dtype: torch.dtype | None,
+                 flops_per_token: float = 0.0, peak_flops: float | None = None) -> None:
+        self.objective = objective
+        self.parameters = parameters
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.cfg = cfg
+        self.dist = dist_info
+        self.device = dist_info.device
+        self.autocast_dtype = autocast_dtype
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.optimizer_step = 0
+        """Optimizer steps taken (skipped non-finite steps included)."""
+        self.micro_step = 0
+        self.last_plan_step = -1
+        """Plan index (within the epoch) of the last micro-batch trained."""
+        self.last_epoch = 0
+        self.total_skipped = 0
+        slots = block_size - 1
+        zeros = lambda *shape: torch.zeros(*shape, device=self.device, dtype=torch.float64)  # noqa: E731
+        self._sums = {name: zeros(()) for name in (
+            "wce", "weight", "correct", "count", "tau", "blocks", "grad_norm", "skipped",
+            "tokens", "samples")}
+        self._slot_correct = zeros(slots)
+        self._slot_count = zeros(slots)
+        self._grad_norm_max = zeros(())
+        self._consecutive_bad = torch.zeros((), device=self.device, dtype=torch.int64)
+        self._window_steps = 0
+        self._window_start = time.perf_counter()
+        self._step_time = 0.0
+        self._wait_time = 0.0
+        self._last_step_end: float | None = None
+        self._found_inf = torch.zeros((), device=self.device, dtype=torch.float32)
+        self._check_every = max(1, min(cfg.max_nonfinite_steps, 10))
+
+    def note_wait(self, seconds: float) -> None:
+        """Record time spent waiting for the next input (for perf/data_wait_frac)."""
+        self._wait_time += seconds
+
+    def train_micro_batch(self, item: StepInput) -> None:
+        """Forward + backward of one micro-batch; steps the optimizer every grad_accum calls."""
+        start = time.perf_counter()
+        if item.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(item.ready)
+            for tensor in (item.features, *item.extras.values()):
+                tensor.record_stream(torch.cuda.current_stream(self.device))
+        batch = item.batch
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
+                            enabled=self.autocast_dtype is not None):
+            local_loss, m = self.objective(item.inputs, item.features, self.optimizer_step)
+        # Global normalisation: every rank rescales its mean to "local weighted sum / global
+        # weight sum" (one all-reduce); DDP averages gradients, hence the world_size factor.
+        local_weight = m["weight_sum"].detach()
+        global_weight = all_reduce_sum(local_weight.clone())
+        scale = local_weight.clamp_min(1e-6) * self.dist.world_size / global_weight.clamp_min(1e-6)
+        (local_loss * scale / self.cfg.grad_accum).backward()
+        self._accumulate(m, batch)
+        self.micro_step += 1
+        self.last_plan_step = batch.step
+        self.last_epoch = batch.epoch
+        if self.micro_step % self.cfg.grad_accum == 0:
+            self._optimizer_step()
+        self._step_time += time.perf_counter() - start
+
+    def _accumulate(self, m: dict[str, torch.Tensor], batch: Batch) -> None:
+        with torch.no_grad():
+            # A non-finite micro-batch is skipped by the optimizer; keep it out of the means.
+            wce = m["weighted_loss_sum"].detach().double()
+            finite = torch.isfinite(wce)
+            self._sums["wce"] += torch.where(finite, wce, 0)
+            self._sums["weight"] += torch.where(finite, m["weight_sum"].double(), 0)
+            self._sums["correct"] += m["correct"].double()
+            self._sums["count"] += m["counted"].double()
+            self._sums["tau"] += m["accept_sum"].double()
+            self._sums["blocks"] += m["blocks"].double()
+            self._sums["tokens"] += batch.num_tokens
+            self._sums["samples"] += batch.seq_lens.numel()
+            self._slot_correct += m["correct_per_slot"].double()
+            self._slot_count += m["count_per_slot"].double()
+
+    def _optimizer_step(self) -> None:
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.cfg.grad_clip,
+                                                   foreach=True)
+        bad = ~torch.isfinite(grad_norm)
+        # Skipped on the device by the fused optimizer; parameters and moments stay as they were.
+        self._found_inf.copy_(bad.float())
+        self.optimizer.found_inf = self._found_inf
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.schedule.step()
+        with torch.no_grad():
+            good = ~bad
+            self._sums["grad_norm"] += torch.where(good, grad_norm, 0).double()
+            self._grad_norm_max.copy_(torch.maximum(
+                self._grad_norm_max, torch.where(good, grad_norm, 0).double()))
+            self._sums["skipped"] += bad.double()
+            self._consecutive_bad.copy_((self._consecutive_bad + 1) * bad.long())
+        self.optimizer_step += 1
+        self._window_steps += 1
+        if self.optimizer_step % self._check_every == 0:
+            self.check_nonfinite()
+
+    def check_nonfinite(self) -> None:
+        """Host sync: stop the run after ``max_nonfinite_steps`` bad steps in a row."""
+        bad_run = int(self._consecutive_bad)
+        if bad_run >= self.cfg.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"{bad_run} consecutive optimizer steps had a non-finite loss or gradient norm "
+                f"(last at step {self.optimizer_step}); lower training.lr, check the data, or "
+                f"raise training.max_nonfinite_steps")
+
+    def get_metrics(self) -> dict[str, float]:
+        """Window metrics since the last call (one host sync); resets the window."""
+        now = time.perf_counter()
+        window = max(now - self._window_start, 1e-9)
+        sums = {k: float(v) for k, v in self._sums.items()}
+        slot_correct = self._slot_correct.tolist()
+        slot_count = self._slot_count.tolist()
+        steps = max(self._window_steps, 1)
+        good_steps = max(self._window_steps - sums["skipped"], 1)
+        self.total_skipped += int(sums["skipped"])
+        metrics = {
+            "train/loss": sums["wce"] / max(sums["weight"], 1e-9),
+            "train/acc": sums["correct"] / max(sums["count"], 1.0),
+            "train/tau_sim": sums["tau"] / max(sums["blocks"], 1.0),
+            "train/grad_norm": sums["grad_norm"] / good_steps,
+            "train/grad_norm_max": float(self._grad_norm_max),
+            "train/lr": self.schedule.lr,
+            "train/skipped_nonfinite": float(self.total_skipped),
+            "train/step": float(self.optimizer_step),
+            "train/tokens": sums["tokens"],
+            "train/samples": sums["samples"],
+            "perf/step_time_s": self._step_time / steps,
+            "perf/data_wait_frac": self._wait_time / window,
+        }
+        for k, (c, n) in enumerate(zip(slot_correct, slot_count), start=1):
+            metrics[f"train/acc_pos/{k}"] = c / n if n else 0.0
+        if self.peak_flops and self.flops_per_token:
+            metrics["perf/mfu"] = sums["tokens"] * self.flops_per_token / window / self.peak_flops
+        for value in self._sums.values():
+            value.zero_()
+        self._slot_correct.zero_()
+        self._slot_count.zero_()
+        self._grad_norm_max.zero_()
+        self._window_steps = 0
+        self._step_time = 0.0
+        self._wait_time = 0.0
+        self._window_start = now
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, optimizer and schedule state (weights are saved by the trainer)."""
+        return {
+            "optimizer_step": self.optimizer_step,
+            "micro_step": self.micro_step,
+            "last_plan_step": self.last_plan_step,
+            "last_epoch": self.last_epoch,
+            "total_skipped": self.total_skipped,
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.optimizer_step = int(state["optimizer_step"])
+        self.micro_step = int(state["micro_step"])
+        self.last_plan_step = int(state["last_plan_step"])
+        self.last_epoch = int(state["last_epoch"])
+        self.total_skipped = int(state["total_skipped"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
