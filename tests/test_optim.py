@@ -13,7 +13,7 @@ def test_optimizer_uses_configured_hyperparameters():
     cfg = load_config(None, ["training.lr=3e-4", "training.betas=[0.8, 0.95]",
                              "training.eps=1e-6", "training.weight_decay=0.01"]).training
     model = torch.nn.Linear(4, 4)
-    opt = build_optimizer(model.parameters(), cfg, device=torch.device("cpu"))
+    opt = build_optimizer(model.parameters(), cfg)
     group = opt.param_groups[0]
     assert group["betas"] == (0.8, 0.95)
     assert group["eps"] == 1e-6
@@ -24,7 +24,7 @@ def test_optimizer_uses_configured_hyperparameters():
 
 def test_reference_defaults_reach_the_optimizer():
     cfg = load_config().training
-    opt = build_optimizer(torch.nn.Linear(2, 2).parameters(), cfg, device=torch.device("cpu"))
+    opt = build_optimizer(torch.nn.Linear(2, 2).parameters(), cfg)
     group = opt.param_groups[0]
     assert (group["betas"], group["eps"], group["weight_decay"]) == ((0.9, 0.999), 1e-8, 0.0)
 
@@ -44,12 +44,27 @@ def test_warmup_then_cosine_to_zero():
 
 def test_schedule_state_round_trip():
     cfg = load_config().training
-    opt = build_optimizer(torch.nn.Linear(2, 2).parameters(), cfg, device=torch.device("cpu"))
+    opt = build_optimizer(torch.nn.Linear(2, 2).parameters(), cfg)
     sched = LRSchedule(opt, total_steps=50, cfg=cfg)
     for _ in range(7):
         sched.step()
     state = sched.state_dict()
-    opt2 = build_optimizer(torch.nn.Linear(2, 2).parameters(), cfg, device=torch.device("cpu"))
+    opt2 = build_optimizer(torch.nn.Linear(2, 2).parameters(), cfg)
     sched2 = LRSchedule(opt2, total_steps=10, cfg=cfg)
     sched2.load_state_dict(state)
     assert sched2.lr == sched.lr and sched2.total_steps == 50
+
+
+def test_nonfinite_step_is_skipped_on_device():
+    cfg = load_config().training
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = build_optimizer([p], cfg)
+    p.grad = torch.full((3,), float("nan"))
+    opt.found_inf = torch.tensor(1.0)
+    opt.step()
+    assert torch.equal(p.detach(), torch.ones(3))
+    assert float(opt.state[p]["step"]) == 0.0
+    p.grad = torch.ones(3)
+    opt.found_inf = torch.tensor(0.0)
+    opt.step()
+    assert not torch.equal(p.detach(), torch.ones(3))

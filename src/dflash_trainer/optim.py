@@ -10,16 +10,15 @@ import torch
 from dflash_trainer.config import TrainingConfig
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainingConfig, *,
-                    device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainingConfig) -> torch.optim.AdamW:
     """AdamW with the configured hyper-parameters (what the config says is what it uses)."""
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
         raise ValueError("the drafter has no trainable parameters")
-    # The fused kernel is CUDA-only; foreach is the fast path on CPU.
-    fused = device.type == "cuda"
+    # The fused kernel (CPU and CUDA) reads ``optimizer.found_inf`` and skips a non-finite
+    # step on the device, so skipping needs no host sync.
     return torch.optim.AdamW(trainable, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, fused=fused, foreach=not fused)
+                             weight_decay=cfg.weight_decay, fused=True)
 
 
 def lr_at(step: int, *, total_steps: int, cfg: TrainingConfig) -> float:
