@@ -1,0 +1,643 @@
+"""``dflash-trainer regenerate``: answer the data's prompts again with the target model.
+
+A drafter learns to predict the target, so it trains best on text the target itself wrote.
+For every conversation the system prompt and user turns are kept and each assistant turn is
+generated anew, turn by turn, each conditioned on the regenerated answers before it. The output
+is OpenAI ``messages`` JSONL, one ``{"id", "messages"}`` line per conversation, which
+``prepare`` and ``train`` read directly.
+
+The output is resumable: each record is one complete line, appended and fsynced on its own, so
+a crash loses only the conversations in flight; a rerun skips ids already written and cuts off a
+partial trailing line. Failed conversations go to ``<out>.failures.jsonl`` with their error and
+are retried by the next run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from dflash_trainer.assets import AssetError
+from dflash_trainer.data.formats import (
+    Conversation,
+    DataError,
+    Rejected,
+    expand_paths,
+    read_records,
+)
+from dflash_trainer.data.regen_backends import (
+    Generation,
+    GenerationError,
+    Message,
+    OpenAIBackend,
+    TransformersBackend,
+    read_generation_config,
+    resolve_sampling,
+    template_has_thinking,
+)
+
+SourceConversation = tuple[str, Sequence[Message]]
+"""(stable id, messages) of one input conversation."""
+
+
+@dataclass(frozen=True)
+class RejectedInput:
+    """An input record that cannot be regenerated (malformed, empty, pre-tokenized)."""
+
+    id: str
+    reason: str
+
+
+class RegenerateError(RuntimeError):
+    """A user-facing error that stops the run (bad output file, too many failures)."""
+
+
+class ConversationJob:
+    """One conversation being regenerated: the prompt of its next turn and its output so far.
+
+    System and user messages are copied; every assistant turn is replaced by a generated
+    answer, and a conversation that ends on a user turn gets one more answer. An assistant turn
+    that does not directly follow a user turn is an error (checked up front): there is no
+    prompt the target could have answered.
+    """
+
+    def __init__(self, conversation_id: str, messages: Sequence[Message]) -> None:
+        self.id = conversation_id
+        self._source = list(messages)
+        self._next = 0
+        self.messages: list[Message] = []
+        self.pending = False
+        self.turns = 0
+        self.prompt_ids: list[int] | None = None
+        """The encoded prompt, kept by the batched scheduler."""
+        if not any(m["role"] == "user" for m in self._source):
+            raise GenerationError("conversation has no user turn")
+        for i, message in enumerate(self._source):
+            if message["role"] == "assistant" and (i == 0 or self._source[i - 1]["role"] != "user"):
+                raise GenerationError(f"assistant turn at message {i} does not follow a user "
+                                      f"turn; there is no prompt to answer")
+        self._advance()
+
+    @property
+    def done(self) -> bool:
+        """Every turn has been answered."""
+        return not self.pending
+
+    def prompt(self) -> list[Message]:
+        """The messages the next answer is conditioned on."""
+        assert self.pending, "prompt() of a finished conversation"
+        return list(self.messages)
+
+    def answer(self, text: str) -> None:
+        """Record the generated answer of the pending turn and move to the next one."""
+        assert self.pending, "answer() of a finished conversation"
+        self.messages.append({"role": "assistant", "content": text})
+        self.pending = False
+        self.turns += 1
+        self.prompt_ids = None
+        self._advance()
+
+    def record(self) -> dict[str, Any]:
+        """The output line of a finished conversation."""
+        assert self.done
+        return {"id": self.id, "messages": self.messages}
+
+    def _advance(self) -> None:
+        while self._next < len(self._source):
+            message = self._source[self._next]
+            self._next += 1
+            if message["role"] != "assistant":
+                self.messages.append({"role": message["role"], "content": message["content"]})
+                continue
+            self.pending = True
+            return
+        self.pending = bool(self.messages) and self.messages[-1]["role"] == "user"
+
+
+def failures_path_for(out: str | Path) -> Path:
+    """Where the failures of a run writing ``out`` are listed: ``<stem>.failures.jsonl``."""
+    out = Path(out)
+    return out.with_name(out.stem + ".failures.jsonl")
+
+
+def recover_output(path: str | Path) -> set[str]:
+    """Ids already in an output file; cut off a partial trailing line a crash left behind.
+
+    A complete line that is not a record with an ``id`` is an error (the file is not ours or
+    was edited); a trailing line without its newline is dropped unless it is a complete record.
+    """
+    path = Path(path)
+    if not path.exists():
+        return set()
+    ids: set[str] = set()
+    keep = 0
+    unterminated = False
+    with path.open("rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            try:
+                record = json.loads(line)
+                ok = isinstance(record, dict) and isinstance(record.get("id"), str)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                ok = False
+            complete = line.endswith(b"\n")
+            if not ok:
+                if complete:
+                    raise RegenerateError(
+                        f"{path}:{lineno}: not a regenerated record ({line[:80]!r}); "
+                        f"fix or remove the line, or choose another --out")
+                break
+            ids.add(record["id"])
+            keep += len(line)
+            unterminated = not complete
+        size = f.seek(0, os.SEEK_END)
+    if keep < size or unterminated:
+        with path.open("r+b") as f:
+            f.truncate(keep)
+            if unterminated:
+                # The last record is complete; only its newline was lost.
+                f.seek(keep)
+                f.write(b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+    return ids
+
+
+class JsonlAppender:
+    """Appends one JSON record per line; each line is flushed and fsynced before returning."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("ab")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` as one complete line, durable on return."""
+        self._file.write(json.dumps(record, ensure_ascii=False).encode() + b"\n")
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        self._file.close()
+
+
+class ProgressReporter:
+    """Conversations done of total, with rate and ETA: a rich bar on a TTY, else plain lines."""
+
+    def __init__(self, total: int, *, stream: TextIO | None = None, enabled: bool = True,
+                 every_s: float = 10.0) -> None:
+        self.total = total
+        self.done = 0
+        self.tokens = 0
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.every_s = every_s
+        self.start = time.monotonic()
+        self._last_print = self.start
+        self._rich: Any = None
+        if enabled and self.stream.isatty():
+            from rich.console import Console
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeElapsedColumn, TimeRemainingColumn)
+            self._rich = Progress(
+                TextColumn("regenerate"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                TimeRemainingColumn(), console=Console(file=self.stream))
+            self._task = self._rich.add_task("regenerate", total=total, rate="")
+            self._rich.start()
+
+    def update(self, *, conversations: int = 1, tokens: int = 0) -> None:
+        """Count finished conversations (written or failed) and generated tokens."""
+        self.done += conversations
+        self.tokens += tokens
+        if not self.enabled:
+            return
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        rate = f"{self.done / elapsed:.2f} conv/s {self.tokens / elapsed:.0f} tok/s"
+        if self._rich is not None:
+            self._rich.update(self._task, completed=self.done, rate=rate)
+            return
+        now = time.monotonic()
+        if now - self._last_print >= self.every_s or self.done == self.total:
+            self._last_print = now
+            left = (self.total - self.done) * elapsed / self.done if self.done else 0.0
+            pct = 100.0 * self.done / self.total if self.total else 100.0
+            print(f"regenerate: {self.done}/{self.total} ({pct:.1f}%) {rate} "
+                  f"elapsed {_hms(elapsed)} ETA {_hms(left)}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        """Stop the live bar (idempotent)."""
+        if self._rich is not None:
+            self._rich.stop()
+            self._rich = None
+
+
+def _hms(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+@dataclass(kw_only=True)
+class RegenerateSummary:
+    """What a run did."""
+
+    written: int = 0
+    skipped_existing: int = 0
+    failed: int = 0
+    rejected_input: int = 0
+    """Input records that cannot be regenerated (malformed, empty, pre-tokenized, duplicate)."""
+    turns: int = 0
+    truncated_turns: int = 0
+    """Answers cut off at ``max_new_tokens`` (written, but worth a larger limit)."""
+    generated_tokens: int = 0
+    elapsed_s: float = 0.0
+    out: str = ""
+    failures_path: str | None = None
+    """The failures file, when there were failures."""
+    interrupted: bool = False
+    """Stopped by Ctrl-C; the conversations in flight were not written."""
+
+    def describe(self) -> str:
+        """The final summary lines."""
+        lines = [f"regenerate: written {self.written}, skipped (already in output) "
+                 f"{self.skipped_existing}, failed {self.failed}, rejected input "
+                 f"{self.rejected_input} -> {self.out}",
+                 f"  {self.turns} turns ({self.truncated_turns} cut at max_new_tokens), "
+                 f"{self.generated_tokens} tokens in {_hms(self.elapsed_s)}"]
+        if self.failures_path:
+            lines.append(f"  failures listed in {self.failures_path}; rerun to retry them")
+        if self.interrupted:
+            lines.append("  interrupted: rerun the same command to resume")
+        return "\n".join(lines)
+
+
+class _Run:
+    """Output, failures file, counters and progress shared by both schedulers."""
+
+    def __init__(self, out: Path, total: int, summary: RegenerateSummary, *, progress: bool,
+                 max_consecutive_failures: int) -> None:
+        self.writer = JsonlAppender(out)
+        self.failures_path = failures_path_for(out)
+        self.failures: JsonlAppender | None = None
+        self.summary = summary
+        self.progress = ProgressReporter(total, enabled=progress)
+        self.max_consecutive_failures = max_consecutive_failures
+        self.consecutive_failures = 0
+
+    def count_turn(self, generation: Generation) -> None:
+        self.summary.turns += 1
+        self.summary.truncated_turns += int(generation.truncated)
+        self.summary.generated_tokens += generation.num_tokens
+        self.progress.update(conversations=0, tokens=generation.num_tokens)
+
+    def finished(self, job: ConversationJob) -> None:
+        self.writer.write(job.record())
+        self.summary.written += 1
+        self.consecutive_failures = 0
+        self.progress.update()
+
+    def rejected(self, item: RejectedInput) -> None:
+        self._list_failure({"id": item.id, "error": f"input: {item.reason}"})
+        self.summary.rejected_input += 1
+
+    def failed(self, conversation_id: str, exc: BaseException) -> None:
+        record: dict[str, Any] = {"id": conversation_id, "error": f"{type(exc).__name__}: {exc}"}
+        if not isinstance(exc, GenerationError):
+            # Not an expected generation failure: keep the traceback for the bug report.
+            record["traceback"] = "".join(traceback.format_exception(exc))
+        self._list_failure(record)
+        self.summary.failed += 1
+        self.consecutive_failures += 1
+        self.progress.update()
+        if self.consecutive_failures >= self.max_consecutive_failures:
+            raise RegenerateError(
+                f"{self.consecutive_failures} conversations failed in a row; last error: "
+                f"{record['error']} (all listed in {self.failures_path})")
+
+    def _list_failure(self, record: dict[str, Any]) -> None:
+        if self.failures is None:
+            self.failures = JsonlAppender(self.failures_path)
+            self.summary.failures_path = str(self.failures_path)
+        self.failures.write(record)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.writer.close()
+        if self.failures is not None:
+            self.failures.close()
+
+
+def _start(run: _Run, conversation: SourceConversation) -> ConversationJob | None:
+    conversation_id, messages = conversation
+    try:
+        return ConversationJob(conversation_id, messages)
+    except GenerationError as exc:
+        run.failed(conversation_id, exc)
+        return None
+
+
+def _run_batched(backend: TransformersBackend, conversations: Iterator[SourceConversation],
+                 run: _Run, batch_size: int) -> None:
+    """Keep a pool of pending turns; generate them in batches of similar prompt length.
+
+    The batch is the length-sorted slice that holds the oldest pending turn, so long prompts
+    are not starved while short ones keep arriving.
+    """
+    pool: list[ConversationJob] = []
+    capacity = 4 * batch_size
+
+    def enqueue(job: ConversationJob) -> None:
+        try:
+            job.prompt_ids = backend.encode(job.prompt())
+        except GenerationError as exc:
+            run.failed(job.id, exc)
+            return
+        pool.append(job)
+
+    exhausted = False
+    while True:
+        while not exhausted and len(pool) < capacity:
+            conversation = next(conversations, None)
+            if conversation is None:
+                exhausted = True
+            elif (job := _start(run, conversation)) is not None:
+                enqueue(job)
+        if not pool:
+            return
+        oldest = pool[0]
+        ordered = sorted(pool, key=lambda j: len(j.prompt_ids or ()))
+        at = ordered.index(oldest) // batch_size * batch_size
+        batch = ordered[at:at + batch_size]
+        taken = {id(j) for j in batch}
+        pool = [j for j in pool if id(j) not in taken]
+        try:
+            generations = backend.generate([j.prompt_ids or [] for j in batch])
+        except Exception as exc:  # noqa: BLE001 - counted per conversation, run continues
+            for job in batch:
+                run.failed(job.id, exc)
+            continue
+        assert len(generations) == len(batch)
+        for job, generation in zip(batch, generations):
+            run.count_turn(generation)
+            job.answer(generation.text)
+            if job.done:
+                run.finished(job)
+            else:
+                enqueue(job)
+
+
+def _answer_all(backend: OpenAIBackend, job: ConversationJob,
+                stop: threading.Event) -> list[Generation]:
+    generations = []
+    while not job.done:
+        if stop.is_set():
+            raise GenerationError("stopped")
+        generation = backend.chat(job.prompt())
+        generations.append(generation)
+        job.answer(generation.text)
+    return generations
+
+
+_Outcome = tuple[ConversationJob, list[Generation], BaseException | None]
+
+
+def _worker(backend: OpenAIBackend, inbox: queue.Queue[ConversationJob],
+            outbox: queue.Queue[_Outcome], stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            job = inbox.get(timeout=0.2)
+        except queue.Empty:
+            continue
+        try:
+            outbox.put((job, _answer_all(backend, job, stop), None))
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the main thread
+            outbox.put((job, [], exc))
+
+
+def _run_concurrent(backend: OpenAIBackend, conversations: Iterator[SourceConversation],
+                    run: _Run, concurrency: int) -> None:
+    """At most ``concurrency`` conversations in flight, each answered turn by turn in a worker
+    thread; only this thread writes output.
+
+    The workers are daemon threads: on Ctrl-C the main thread returns at once and requests
+    still waiting for the server are abandoned rather than awaited.
+    """
+    # in_flight <= concurrency bounds both queues, so no put() below can block.
+    inbox: queue.Queue[ConversationJob] = queue.Queue(maxsize=concurrency)
+    outbox: queue.Queue[_Outcome] = queue.Queue(maxsize=concurrency)
+    stop = threading.Event()
+    workers = [threading.Thread(target=_worker, args=(backend, inbox, outbox, stop),
+                                name=f"regenerate-{i}", daemon=True) for i in range(concurrency)]
+    for worker in workers:
+        worker.start()
+    in_flight = 0
+    exhausted = False
+    try:
+        while True:
+            while not exhausted and in_flight < concurrency:
+                conversation = next(conversations, None)
+                if conversation is None:
+                    exhausted = True
+                elif (job := _start(run, conversation)) is not None:
+                    inbox.put(job)
+                    in_flight += 1
+            if not in_flight:
+                break
+            try:
+                job, generations, exc = outbox.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            in_flight -= 1
+            if exc is not None:
+                run.failed(job.id, exc)
+                continue
+            for generation in generations:
+                run.count_turn(generation)
+            run.finished(job)
+    except BaseException:
+        # Error or Ctrl-C: end the retry waits; abandon requests in flight.
+        stop.set()
+        backend.close()
+        raise
+    stop.set()
+    for worker in workers:
+        worker.join(timeout=5.0)
+
+
+def regenerate(conversations: Iterable[SourceConversation | RejectedInput], out: str | Path,
+               backend: TransformersBackend | OpenAIBackend, *, batch_size: int = 8,
+               concurrency: int = 8, limit: int | None = None, progress: bool = True,
+               max_consecutive_failures: int = 32) -> RegenerateSummary:
+    """Regenerate the assistant turns of ``conversations`` into the JSONL file ``out``.
+
+    Ctrl-C stops the run cleanly: the summary comes back with ``interrupted`` set.
+
+    ``limit`` keeps the first N input records (written and rejected ones included), so a rerun
+    with the same arguments is a no-op. Ids already in ``out`` are skipped. Failed
+    conversations and rejected input records are listed in :func:`failures_path_for` ``(out)``,
+    which each run rewrites. Stops with :class:`RegenerateError` after
+    ``max_consecutive_failures`` generation failures in a row.
+    """
+    start = time.monotonic()
+    out = Path(out)
+    existing = recover_output(out)
+    failures = failures_path_for(out)
+    if failures.exists():
+        failures.unlink()
+    summary = RegenerateSummary(out=str(out))
+    todo: list[SourceConversation] = []
+    rejected: list[RejectedInput] = []
+    seen: set[str] = set()
+    for index, item in enumerate(conversations):
+        if limit is not None and index >= limit:
+            break
+        if isinstance(item, RejectedInput):
+            rejected.append(item)
+        elif item[0] in seen:
+            rejected.append(RejectedInput(item[0], "duplicate id in the input; only its first "
+                                                   "record is regenerated"))
+        elif item[0] in existing:
+            seen.add(item[0])
+            summary.skipped_existing += 1
+        else:
+            seen.add(item[0])
+            todo.append(item)
+    run = _Run(out, len(todo), summary, progress=progress,
+               max_consecutive_failures=max_consecutive_failures)
+    try:
+        for item in rejected:
+            run.rejected(item)
+        if isinstance(backend, TransformersBackend):
+            _run_batched(backend, iter(todo), run, batch_size)
+        else:
+            _run_concurrent(backend, iter(todo), run, concurrency)
+    except KeyboardInterrupt:
+        # Everything written so far is complete and durable; a rerun resumes from it.
+        summary.interrupted = True
+    finally:
+        summary.elapsed_s = time.monotonic() - start
+        run.close()
+    return summary
+
+
+def build_transformers_backend(target: str, sampling_flags: dict[str, Any], *,
+                               max_new_tokens: int, thinking: bool, device: str = "auto",
+                               dtype: str = "auto") -> TransformersBackend:
+    """Load the target (``smollm2``, a folder or a hub-cached id) for in-process generation."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dflash_trainer.assets import load_tokenizer, resolve_target
+
+    path = resolve_target(target)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model.to(device).eval()
+    tokenizer = load_tokenizer(path)
+    _warn_if_no_thinking(tokenizer, thinking)
+    sampling = resolve_sampling(read_generation_config(path), max_new_tokens=max_new_tokens,
+                                **sampling_flags)
+    return TransformersBackend(model, tokenizer, sampling, thinking=thinking)
+
+
+def _warn_if_no_thinking(tokenizer: Any, thinking: bool) -> None:
+    if thinking and not template_has_thinking(tokenizer):
+        print("regenerate: warning: data.thinking=true has no effect, the target's chat "
+              "template has no enable_thinking switch", file=sys.stderr)
+
+
+def _check_args(args: argparse.Namespace) -> str | None:
+    checks = [
+        (args.backend != "openai" or bool(args.server_url),
+         "--backend openai needs --server-url (e.g. http://127.0.0.1:8000)"),
+        (args.concurrency >= 1, "--concurrency must be >= 1"),
+        (args.batch_size >= 1, "--batch-size must be >= 1"),
+        (args.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
+        (args.temperature is None or args.temperature >= 0, "--temperature must be >= 0"),
+        (args.top_p is None or 0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
+        (args.top_k is None or args.top_k >= 0, "--top-k must be >= 0 (0 disables it)"),
+        (args.limit is None or args.limit >= 1, "--limit must be >= 1"),
+    ]
+    return next((message for ok, message in checks if not ok), None)
+
+
+def main(cfg: Any, args: argparse.Namespace) -> int:
+    """CLI handler: 0 when every conversation was written, 1 when some failed, 2 for a usage
+    error, 130 when interrupted."""
+    problem = _check_args(args)
+    if problem:
+        print(f"dflash-trainer regenerate: {problem}", file=sys.stderr)
+        return 2
+    flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    backend: TransformersBackend | OpenAIBackend | None = None
+    try:
+        # Read (and check) the input before loading the target: data errors come quickly.
+        conversations = list(itertools.islice(read_conversations(cfg), args.limit))
+        if args.backend == "transformers":
+            import torch
+
+            torch.manual_seed(cfg.training.seed)
+            if cfg.pipeline.num_threads is not None:
+                torch.set_num_threads(cfg.pipeline.num_threads)
+            backend = build_transformers_backend(
+                cfg.model.target, flags, max_new_tokens=args.max_new_tokens,
+                thinking=cfg.data.thinking, device=cfg.pipeline.device, dtype=cfg.model.dtype)
+        else:
+            sampling = resolve_sampling(None, max_new_tokens=args.max_new_tokens, **flags)
+            backend = OpenAIBackend(
+                args.server_url, sampling, model_hint=cfg.model.target,
+                thinking=cfg.data.thinking, api_key=os.environ.get("OPENAI_API_KEY"),
+                max_connections=args.concurrency)
+        print(f"regenerate: {args.backend} backend, {backend.sampling.describe()}, "
+              f"thinking={'on' if cfg.data.thinking else 'off'}", file=sys.stderr)
+        summary = regenerate(conversations, args.out, backend, batch_size=args.batch_size,
+                             concurrency=args.concurrency, limit=args.limit)
+    except (RegenerateError, GenerationError, DataError, AssetError) as exc:
+        print(f"dflash-trainer regenerate: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if isinstance(backend, OpenAIBackend):
+            backend.close()
+    print(summary.describe(), file=sys.stderr)
+    if summary.interrupted:
+        return 130
+    return 1 if summary.failed else 0
+
+
+def read_conversations(cfg: Any) -> Iterator[SourceConversation | RejectedInput]:
+    """The records of ``cfg.data.paths`` with stable ids: ``FILE:LINE`` for text files,
+    ``FILE#INDEX`` for Parquet/Arrow rows and ``sharegpt#INDEX`` for the embedded set.
+
+    ``data.format`` and ``data.on_error`` apply as in ``prepare``; ``data.max_samples`` and
+    ``data.heldout_samples`` do not (they apply when the output is trained on).
+    """
+    for source in expand_paths(list(cfg.data.paths)):
+        for record in read_records([source], format=cfg.data.format,
+                                   on_error=cfg.data.on_error):
+            loc = record.location
+            if source.embedded:
+                record_id = f"{source.origin}#{loc.index}"
+            elif loc.line is not None:
+                record_id = f"{loc.file}:{loc.line}"
+            else:
+                record_id = f"{loc.file}#{loc.index}"
+            if isinstance(record, Conversation):
+                yield record_id, record.messages
+            elif isinstance(record, Rejected):
+                yield RejectedInput(record_id, f"{record.reason}: {record.message}")
+            else:
+                yield RejectedInput(record_id, "pre-tokenized record: no text to regenerate")
