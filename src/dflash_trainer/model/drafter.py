@@ -1,0 +1,152 @@
+"""Build a DFlash drafter for a target model from the run config.
+
+The module itself lives in :mod:`dflash_trainer.model.modeling.dflash` (the file exported next
+to the weights); this module only derives its config from the target's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, Qwen3Config
+
+from dflash_trainer.config import ModelConfig
+from dflash_trainer.model.modeling.dflash import DFlashDraftModel, build_target_layer_ids
+from dflash_trainer.model.target import decoder_layers
+
+__all__ = ["DFlashDraftModel", "build_drafter", "build_drafter_config", "check_compatible",
+           "default_target_layer_ids", "init_from_target", "text_config"]
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Target layers whose outputs condition the drafter, by the reference rule.
+
+    One feature: the middle layer; otherwise ``round(1 + i * (n_target - 4) / (n_draft - 1))``
+    with Python's round-half-to-even (36 layers, 5 features -> [1, 9, 17, 25, 33]).
+    """
+    if num_target_layers < 1 or num_draft_layers < 1:
+        raise ValueError(f"need >= 1 target and draft layers, got {num_target_layers}, {num_draft_layers}")
+    return build_target_layer_ids(num_target_layers, num_draft_layers)
+
+
+def text_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The decoder text config of a (possibly multimodal) HF config."""
+    get = getattr(config, "get_text_config", None)
+    return get(decoder=True) if get is not None else config
+
+
+def _rope_parameters(target: PretrainedConfig) -> dict[str, Any]:
+    # transformers 5 keeps rope settings in rope_parameters; 4.x configs have rope_theta/rope_scaling.
+    params = getattr(target, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(target, "rope_scaling", None) or {"rope_type": "default"})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params["rope_theta"] = float(getattr(target, "rope_theta", 10000.0))
+    return params
+
+
+def build_drafter_config(model_cfg: ModelConfig, target_config: PretrainedConfig, *,
+                         mask_token_id: int | None = None) -> Qwen3Config:
+    """Qwen3-style drafter config: per-layer sizes from the target unless ``model.*`` overrides them."""
+    target = text_config(target_config)
+    num_target_layers = int(target.num_hidden_layers)
+    layer_ids = (list(model_cfg.target_layer_ids) if model_cfg.target_layer_ids is not None
+                 else default_target_layer_ids(num_target_layers, model_cfg.num_layers))
+    mask_id = mask_token_id if mask_token_id is not None else model_cfg.mask_token_id
+    if mask_id is None:
+        raise ValueError("model.mask_token_id is not set: resolve it with "
+                         "dflash_trainer.model.target.resolve_mask_token_id and pass mask_token_id=")
+    heads = model_cfg.num_attention_heads or target.num_attention_heads
+    kv_heads = (model_cfg.num_key_value_heads or getattr(target, "num_key_value_heads", None) or heads)
+    head_dim = (model_cfg.head_dim or getattr(target, "head_dim", None)
+                or target.hidden_size // target.num_attention_heads)
+    rope = _rope_parameters(target)
+    config = Qwen3Config(
+        vocab_size=target.vocab_size,
+        hidden_size=target.hidden_size,
+        intermediate_size=model_cfg.intermediate_size or target.intermediate_size,
+        num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_act=getattr(target, "hidden_act", "silu"),
+        max_position_embeddings=getattr(target, "max_position_embeddings", 32768),
+        rms_norm_eps=getattr(target, "rms_norm_eps", 1e-6),
+        rope_parameters=rope,
+        attention_bias=False,
+        attention_dropout=0.0,
+        use_sliding_window=False,
+        layer_types=["full_attention"] * model_cfg.num_layers,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        bos_token_id=getattr(target, "bos_token_id", None),
+        eos_token_id=getattr(target, "eos_token_id", None),
+        pad_token_id=getattr(target, "pad_token_id", None),
+        block_size=model_cfg.block_size,
+        num_target_layers=num_target_layers,
+        dflash_config={"mask_token_id": int(mask_id), "target_layer_ids": layer_ids,
+                       "block_size": model_cfg.block_size},
+    )
+    config.architectures = ["DFlashDraftModel"]
+    check_compatible(config, target_config)
+    return config
+
+
+def check_compatible(drafter_config: PretrainedConfig, target_config: PretrainedConfig) -> None:
+    """Raise ValueError if a drafter config cannot run on a target (hidden size, layers, mask id, heads)."""
+    target = text_config(target_config)
+    section = getattr(drafter_config, "dflash_config", None) or {}
+    problems = []
+    if drafter_config.hidden_size != target.hidden_size:
+        problems.append(f"drafter hidden_size {drafter_config.hidden_size} != target hidden_size "
+                        f"{target.hidden_size} (DFlash needs equal hidden sizes: the target's embedding "
+                        f"and LM head are used as they are)")
+    bad = [i for i in section.get("target_layer_ids", []) if not 0 <= i < target.num_hidden_layers]
+    if bad:
+        problems.append(f"model.target_layer_ids {bad} out of range for a target with "
+                        f"{target.num_hidden_layers} layers (valid: 0..{target.num_hidden_layers - 1})")
+    mask_id = section.get("mask_token_id")
+    if mask_id is not None and not 0 <= mask_id < target.vocab_size:
+        problems.append(f"mask_token_id {mask_id} is outside the target's embedding table "
+                        f"({target.vocab_size} rows); the embedding is never resized")
+    if drafter_config.num_attention_heads % drafter_config.num_key_value_heads:
+        problems.append(f"num_attention_heads {drafter_config.num_attention_heads} is not a multiple "
+                        f"of num_key_value_heads {drafter_config.num_key_value_heads}")
+    if problems:
+        raise ValueError("drafter/target mismatch: " + "; ".join(problems))
+
+
+def build_drafter(model_cfg: ModelConfig, target_config: PretrainedConfig, *,
+                  mask_token_id: int | None = None) -> DFlashDraftModel:
+    """A freshly initialised drafter (fp32, SDPA attention) for ``target_config``.
+
+    ``mask_token_id`` overrides ``model_cfg.mask_token_id``; one of them must be set.
+    """
+    config = build_drafter_config(model_cfg, target_config, mask_token_id=mask_token_id)
+    config._attn_implementation = "sdpa"
+    return DFlashDraftModel(config)
+
+
+@torch.no_grad()
+def init_from_target(drafter: DFlashDraftModel, target_model: nn.Module) -> list[str]:
+    """Copy the target's last decoder layers into the drafter layers where names and shapes match.
+
+    Drafter layer i takes target layer ``n_target - n_draft + i``. The drafter's ``fc``,
+    ``hidden_norm`` and ``norm`` keep their fresh initialisation. Returns the copied names.
+    """
+    target_layers = decoder_layers(target_model)
+    offset = len(target_layers) - len(drafter.layers)
+    if offset < 0:
+        raise ValueError(f"model.init_from_target: the drafter has {len(drafter.layers)} layers, "
+                         f"the target only {len(target_layers)}")
+    copied = []
+    for i, layer in enumerate(drafter.layers):
+        source = dict(target_layers[offset + i].named_parameters())
+        for name, param in layer.named_parameters():
+            if name in source and source[name].shape == param.shape:
+                param.copy_(source[name].to(param.dtype))
+                copied.append(f"layers.{i}.{name}")
+    return copied

@@ -1,0 +1,151 @@
+"""Chunked LM-head cross-entropy with decay weights, and the DFlash training metrics.
+
+The target's LM head is applied to ``loss_chunk_size`` slots at a time inside one autograd
+Function that also computes the gradient with respect to the hidden states in the same pass
+(the head is frozen, so that is the only gradient). Neither forward nor backward ever holds
+more than one chunk of ``[slots, vocab]`` logits, and the head matmul runs twice per slot
+(logits, then grad), the same as an unchunked forward + backward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+__all__ = ["chunked_head_loss", "dflash_loss", "reference_head_loss"]
+
+
+def _chunk_terms(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+                 soft_hidden: torch.Tensor | None,
+                 need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-slot loss, top-1 correctness and ``w * d(loss)/d(logits)`` (if needed) for one chunk."""
+    logits = hidden.to(head_weight.dtype) @ head_weight.T
+    if soft_hidden is None:
+        correct = logits.argmax(dim=-1) == labels
+        # Fused upcast + log_softmax, then w * softmax in place (log 0 = -inf gives exact zeros).
+        log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+        del logits
+        loss = -log_probs.gather(1, labels[:, None])[:, 0]
+        if not need_grad:
+            return loss, correct, None
+        grad = log_probs.add_(weights.log()[:, None]).exp_()
+        grad[torch.arange(labels.shape[0], device=labels.device), labels] -= weights
+        return loss, correct, grad
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    target_logits = (soft_hidden.to(head_weight.dtype) @ head_weight.T).float()
+    correct = logits.argmax(dim=-1) == target_logits.argmax(dim=-1)
+    target_log_probs = torch.log_softmax(target_logits, dim=-1)
+    target_probs = target_log_probs.exp()
+    loss = (target_probs * (target_log_probs - logits)).sum(dim=-1) + lse  # KL(target || drafter)
+    if not need_grad:
+        return loss, correct, None
+    grad = logits.sub_(lse[:, None]).exp_().sub_(target_probs).mul_(weights[:, None])
+    return loss, correct, grad
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """``sum_i w_i * loss_i`` over slots, LM head and loss computed chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
+                weights: torch.Tensor, soft_hidden: torch.Tensor | None,
+                chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        need_grad = ctx.needs_input_grad[0]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_grad else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            end = start + chunk_size
+            w = weights[start:end]
+            soft = None if soft_hidden is None else soft_hidden[start:end]
+            loss, hits, grad_logits = _chunk_terms(hidden[start:end], head_weight, labels[start:end], w,
+                                                   soft, need_grad)
+            total += (w * loss).sum()
+            correct[start:end] = hits
+            if need_grad:
+                grad_hidden[start:end] = (grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
+        ctx.mark_non_differentiable(correct)
+        ctx.save_for_backward(grad_hidden)
+        return total, correct
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor, grad_correct: torch.Tensor):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None
+
+
+def chunked_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
+                      weights: torch.Tensor, chunk_size: int,
+                      soft_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum_i w_i * loss_i, correct [M] bool)`` for ``[M, H]`` slots under a frozen ``[V, H]`` head.
+
+    ``loss_i`` is cross-entropy against ``labels``, or with ``soft_hidden`` (target final hidden
+    states of the same slots) KL(target || drafter) under the same head; ``correct`` compares
+    the drafter's argmax with the label (or the target's argmax). Only ``hidden`` gets a gradient.
+    """
+    if head_weight.requires_grad:
+        raise ValueError("the target LM head must be frozen (requires_grad=False): the chunked loss "
+                         "computes no gradient for it")
+    if chunk_size < 1:
+        raise ValueError(f"training.loss_chunk_size must be >= 1, got {chunk_size}")
+    return _ChunkedHeadLoss.apply(hidden, head_weight, labels, weights.float(), soft_hidden, chunk_size)
+
+
+def reference_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
+                        weights: torch.Tensor,
+                        soft_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unchunked autograd version of :func:`chunked_head_loss` (tests and the memory benchmark)."""
+    logits = (hidden.to(head_weight.dtype) @ head_weight.T).float()
+    if soft_hidden is None:
+        loss = F.cross_entropy(logits, labels, reduction="none")
+        correct = logits.argmax(dim=-1) == labels
+    else:
+        target_logits = (soft_hidden.to(head_weight.dtype) @ head_weight.T).float()
+        target_log_probs = torch.log_softmax(target_logits, dim=-1)
+        loss = (target_log_probs.exp() * (target_log_probs - torch.log_softmax(logits, -1))).sum(-1)
+        correct = logits.argmax(dim=-1) == target_logits.argmax(dim=-1)
+    return (weights.float() * loss).sum(), correct
+
+
+def dflash_loss(block_hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
+                weights: torch.Tensor, keep: torch.Tensor, *, chunk_size: int,
+                soft_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Decay-weighted loss over block slots 1..B-1 and the metrics of the same pass.
+
+    Args:
+        block_hidden: ``[B, N*Bk, H]`` drafter output for N blocks of Bk slots.
+        head_weight: frozen target LM head ``[V, H]``.
+        labels, weights: ``[B, N, Bk-1]`` from :func:`~dflash_trainer.model.blocks.labels_and_weights`.
+        keep: ``[B, N]`` real (True) or padding blocks.
+        chunk_size: slots per LM-head chunk.
+        soft_hidden: ``[B, N, Bk-1, H]`` target final hidden states at positions ``a + k - 1``
+            for KL distillation; None for hard labels.
+
+    Returns:
+        ``loss = sum(w * loss) / sum(w)`` and on-device metrics (no host sync): ``weight_sum``,
+        ``weighted_loss_sum``, ``correct``, ``counted`` (supervised slots), ``correct_per_slot``
+        and ``count_per_slot`` ``[Bk-1]``, ``accept_sum`` (sum over kept blocks of 1 + number of
+        leading correct supervised slots) and ``blocks`` (kept blocks).
+    """
+    batch, num, slots = labels.shape
+    hidden = block_hidden.view(batch, num, slots + 1, -1)[:, :, 1:].reshape(batch * num * slots, -1)
+    soft = None if soft_hidden is None else soft_hidden.reshape(batch * num * slots, -1)
+    total, correct = chunked_head_loss(hidden, head_weight, labels.reshape(-1), weights.reshape(-1),
+                                       chunk_size, soft)
+    weight_sum = weights.float().sum()
+    loss = total / weight_sum.clamp_min(1e-6)
+    supervised = weights > 0
+    hits = correct.view(batch, num, slots) & supervised
+    leading = hits.long().cumprod(dim=-1).sum(dim=-1)
+    metrics = {
+        "weight_sum": weight_sum,
+        "weighted_loss_sum": total.detach(),
+        "correct": hits.sum(),
+        "counted": supervised.sum(),
+        "correct_per_slot": hits.sum(dim=(0, 1)),
+        "count_per_slot": supervised.sum(dim=(0, 1)),
+        "accept_sum": ((leading + 1) * keep).sum(),
+        "blocks": keep.sum(),
+    }
+    return loss, metrics

@@ -1,0 +1,1 @@
+"""Standalone modeling files shipped next to exported drafters (``dflash.py``)."""

@@ -1,0 +1,388 @@
+"""DFlash block-diffusion drafter (z-lab ``DFlashDraftModel`` format), standalone.
+
+This file imports only torch, transformers and the standard library, so it can be copied next
+to an exported ``config.json`` and loaded with ``AutoModel.from_pretrained(dir,
+trust_remote_code=True)``. The trainer imports the same class, so training and serving run one
+definition of the module.
+
+The drafter has no embedding and no LM head: both are the target's, frozen. It drafts a block
+``[anchor token, MASK x (B-1)]`` in one forward pass, conditioned on target hidden states
+(``fc`` over the concatenated target layers, then ``hidden_norm``) that every layer projects
+with its own ``k_proj``/``v_proj`` and prepends to the block's keys and values.
+
+Two forward modes share one code path:
+
+* training: ``target_hidden`` covers the whole sequence, ``noise_embedding`` holds N blocks, and
+  ``attention_mask`` (dense bool ``[B, 1, Q, C + Q]`` or a FlexAttention ``BlockMask``) says
+  which context positions and block tokens each query sees;
+* inference: ``target_hidden`` holds only the committed tokens not yet in ``past_key_values``;
+  the cache stores context K/V only (block K/V is used but never stored), so no cropping of the
+  draft cache is needed after a draft; no mask, the block is bidirectional.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import DynamicCache, PreTrainedModel
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3Config,
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    rotate_half,
+)
+
+try:  # transformers >= 5: init helpers that skip parameters already loaded from a checkpoint
+    from transformers import initialization as _init
+except ImportError:  # transformers 4.x initialises before loading, so plain torch init is right
+    _init = nn.init
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # torch without FlexAttention: only dense masks are available
+    BlockMask = None
+    flex_attention = None
+
+_compiled_flex_attention = None
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Default target layers for a drafter (z-lab rule, Python's round-half-to-even)."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def dflash_value(config: Any, name: str, default: Any = None) -> Any:
+    """Read a DFlash setting from ``config.dflash_config`` first, then the top level."""
+    section = getattr(config, "dflash_config", None) or {}
+    if name in section and section[name] is not None:
+        return section[name]
+    value = getattr(config, name, None)
+    return default if value is None else value
+
+
+def extract_context_feature(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    """Concatenate HF ``output_hidden_states`` of the given decoder layers (layer L = index L + 1)."""
+    return torch.cat([hidden_states[layer_id + 1] for layer_id in layer_ids], dim=-1)
+
+
+def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any,
+          scale: float) -> torch.Tensor:
+    global _compiled_flex_attention
+    fn = flex_attention
+    if query.is_cuda:
+        # Uncompiled flex attention materialises the full score matrix; compile once per process.
+        if _compiled_flex_attention is None:
+            _compiled_flex_attention = torch.compile(flex_attention)
+        fn = _compiled_flex_attention
+    return fn(query, key, value, block_mask=block_mask, scale=scale,
+              enable_gqa=query.shape[1] != key.shape[1])
+
+
+def _eager(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+           scale: float) -> torch.Tensor:
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        # Additive -inf mask: a bool mask added to the scores would mask nothing.
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value)
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, scale: float,
+           implementation: str | None) -> torch.Tensor:
+    """Attention over ``[B, H, L, D]`` tensors (GQA allowed) with no mask, a bool mask or a BlockMask."""
+    if BlockMask is not None and isinstance(mask, BlockMask):
+        return _flex(query, key, value, mask, scale)
+    if implementation == "eager":
+        return _eager(query, key, value, mask, scale)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                          enable_gqa=query.shape[1] != key.shape[1])
+
+
+class DFlashAttention(nn.Module):
+    """Qwen3 attention whose keys/values are ``[projected context | block]``; queries are the block."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim ** -0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, context: torch.Tensor,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: Any,
+                past_key_values: Any = None) -> torch.Tensor:
+        batch, q_len, _ = hidden_states.shape
+        ctx_len = context.shape[1]
+        cos, sin = (t.unsqueeze(1) for t in position_embeddings)
+
+        def heads(x: torch.Tensor) -> torch.Tensor:
+            return x.view(batch, x.shape[1], -1, self.head_dim)
+
+        query = self.q_norm(heads(self.q_proj(hidden_states))).transpose(1, 2)
+        query = query * cos[..., ctx_len:, :] + rotate_half(query) * sin[..., ctx_len:, :]
+        key = self.k_norm(heads(torch.cat([self.k_proj(context), self.k_proj(hidden_states)], 1)))
+        key = key.transpose(1, 2)
+        key = key * cos + rotate_half(key) * sin
+        value = heads(torch.cat([self.v_proj(context), self.v_proj(hidden_states)], 1)).transpose(1, 2)
+        if past_key_values is not None:
+            # Only context K/V enter the cache; block K/V are used for this call and dropped.
+            ctx_key, ctx_value = past_key_values.update(key[:, :, :ctx_len], value[:, :, :ctx_len],
+                                                        self.layer_idx)
+            key = torch.cat([ctx_key, key[:, :, ctx_len:]], dim=2)
+            value = torch.cat([ctx_value, value[:, :, ctx_len:]], dim=2)
+        # Under autocast the fp32 norm weights promote q/k to fp32 while v stays low precision.
+        query, key = query.to(value.dtype), key.to(value.dtype)
+        out = attend(query, key, value, attention_mask, self.scaling, self.config._attn_implementation)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm Qwen3 decoder layer around :class:`DFlashAttention`."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, context: torch.Tensor,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: Any,
+                row_visible: torch.Tensor | None, past_key_values: Any = None) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden_states), context, position_embeddings,
+                              attention_mask, past_key_values)
+        if row_visible is not None:
+            attn = attn * row_visible
+        hidden_states = hidden_states + attn
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class DFlashDraftModel(PreTrainedModel):
+    """DFlash drafter: ``layers.{i}``, ``fc``, ``hidden_norm``, ``norm``, ``rotary_emb``.
+
+    Reads ``block_size``, ``target_layer_ids`` and ``mask_token_id`` from
+    ``config.dflash_config`` first, then from the top level of the config.
+    """
+
+    config_class = Qwen3Config
+    base_model_prefix = "model"
+    _no_split_modules = ["DFlashDecoderLayer"]
+    _supports_sdpa = True
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        layer_types = getattr(config, "layer_types", None) or []
+        if any(t != "full_attention" for t in layer_types):
+            raise NotImplementedError(f"DFlashDraftModel supports full-attention layers only; "
+                                      f"config.layer_types = {layer_types}")
+        layer_ids = dflash_value(config, "target_layer_ids")
+        if layer_ids is None:
+            num_target_layers = getattr(config, "num_target_layers", None)
+            if num_target_layers is None:
+                raise ValueError("DFlash config needs dflash_config.target_layer_ids or num_target_layers")
+            layer_ids = build_target_layer_ids(num_target_layers, config.num_hidden_layers)
+        self.target_layer_ids = list(layer_ids)
+        self.block_size = int(dflash_value(config, "block_size", 16))
+        self.mask_token_id = dflash_value(config, "mask_token_id")
+        self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            _init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+            if module.bias is not None:
+                _init.zeros_(module.bias)
+        elif isinstance(module, Qwen3RMSNorm):
+            # The final norm feeds the target's frozen LM head, which expects the target's own
+            # output scale: with weight 1 the first logits are huge (CE ~77 on SmolLM2). Weight
+            # 1/sqrt(H) makes the output a unit-L2 vector, so |logit_v| <= |w_v| (the head row
+            # norm) and the first CE is close to ln(vocab); Adam grows the scale as needed.
+            value = self.config.hidden_size ** -0.5 if module is self.norm else 1.0
+            _init.constant_(module.weight, value)
+        else:
+            super()._init_weights(module)
+
+    def forward(self, position_ids: torch.LongTensor, noise_embedding: torch.Tensor,
+                target_hidden: torch.Tensor, attention_mask: Any = None, past_key_values: Any = None,
+                use_cache: bool = False) -> torch.Tensor:
+        """Drafter hidden states (after the final norm) for the block tokens.
+
+        Args:
+            position_ids: ``[B or 1, C + Q]`` positions of the C context tokens, then the Q block tokens.
+            noise_embedding: ``[B, Q, H]`` target embeddings of the block tokens.
+            target_hidden: ``[B, C, K*H]`` concatenated target layer outputs for the context.
+            attention_mask: None (inference: everything visible), a bool ``[B, 1, Q, C_all + Q]``
+                mask (True = attend; C_all includes cached context) or a FlexAttention BlockMask.
+            past_key_values: a transformers ``Cache`` holding context K/V of earlier calls; the
+                new context K/V are appended, block K/V are never stored.
+            use_cache: accepted for z-lab compatibility; caching happens iff a cache is passed.
+
+        Returns:
+            ``[B, Q, H]``; apply the target's LM head outside.
+        """
+        del use_cache
+        context = self.hidden_norm(self.fc(target_hidden))
+        position_embeddings = self.rotary_emb(noise_embedding, position_ids)
+        row_visible = None
+        if isinstance(attention_mask, torch.Tensor):
+            if attention_mask.dtype != torch.bool:
+                raise TypeError(f"DFlash attention masks must be bool (True = attend), got {attention_mask.dtype}")
+            # Queries that see nothing (dropped blocks) would give NaN on some SDPA backends:
+            # let them see everything and zero their attention output instead (CPU SDPA semantics).
+            visible = attention_mask.any(dim=-1, keepdim=True)
+            attention_mask = attention_mask | ~visible
+            row_visible = visible[:, 0].to(noise_embedding.dtype)
+        hidden_states = noise_embedding
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, context, position_embeddings, attention_mask,
+                                  row_visible, past_key_values)
+        return self.norm(hidden_states)
+
+    def compute_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Logits of drafter hidden states under the target's LM head."""
+        return lm_head(hidden_states.to(lm_head.weight.dtype))
+
+    @torch.inference_mode()
+    def spec_generate(self, target: nn.Module, input_ids: torch.LongTensor, max_new_tokens: int,
+                      stop_token_ids: list[int] | None = None, temperature: float = 0.0,
+                      return_stats: bool = False) -> torch.LongTensor | SimpleNamespace:
+        """Speculative decoding of one prompt with ``target`` verifying this drafter's blocks.
+
+        Greedy (``temperature == 0``) output equals the target's own greedy output; at
+        ``temperature > 0`` drafts are sampled and verified by rejection sampling, so the output
+        follows the target's sampling distribution.
+
+        Returns:
+            ``[1, prompt + generated]`` token ids, or with ``return_stats`` a namespace with
+            ``output_ids``, ``num_input_tokens``, ``num_output_tokens`` and
+            ``acceptance_lengths`` (accepted drafts + 1 per target verify step, in [1, B]).
+        """
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"spec_generate decodes one prompt at a time, got batch {input_ids.shape[0]}")
+        if self.mask_token_id is None:
+            raise ValueError("config.dflash_config.mask_token_id is not set")
+        was_training = self.training
+        self.eval()
+        try:
+            return self._spec_generate(target, input_ids, max_new_tokens, stop_token_ids, temperature,
+                                       return_stats)
+        finally:
+            self.train(was_training)
+
+    def _spec_generate(self, target: nn.Module, input_ids: torch.LongTensor, max_new_tokens: int,
+                       stop_token_ids: list[int] | None, temperature: float,
+                       return_stats: bool) -> torch.LongTensor | SimpleNamespace:
+        device = input_ids.device
+        block = self.block_size
+        stops = torch.tensor(list(stop_token_ids or []), dtype=torch.long, device=device)
+        embed = target.get_input_embeddings()
+        head = target.get_output_embeddings()
+        cache_arg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+        target_cache, draft_cache = DynamicCache(), DynamicCache()
+        dtype = self.fc.weight.dtype
+
+        prompt_len = input_ids.shape[1]
+        out = target(input_ids, use_cache=True, output_hidden_states=True, logits_to_keep=1,
+                     **{cache_arg: target_cache})
+        tokens = [input_ids[0]]
+        bonus = _sample(out.logits[:, -1], temperature)
+        context = extract_context_feature(out.hidden_states, self.target_layer_ids)
+        start = prompt_len  # position of the bonus token
+        generated, acceptance = 1, []
+        stopped = bool(torch.isin(bonus, stops).any())
+        tokens.append(bonus)
+        while generated < max_new_tokens and not stopped:
+            block_ids = torch.full((1, block), self.mask_token_id, dtype=torch.long, device=device)
+            block_ids[0, 0] = bonus[0]
+            positions = torch.arange(start - context.shape[1], start + block, device=device)[None]
+            hidden = self(positions, embed(block_ids).to(dtype), context.to(dtype),
+                          past_key_values=draft_cache)
+            draft_logits = self.compute_logits(hidden[:, 1:], head).float()
+            draft_probs = None
+            if temperature > 0:
+                draft_probs = torch.softmax(draft_logits / temperature, dim=-1)
+                block_ids[0, 1:] = torch.multinomial(draft_probs[0], 1)[:, 0]
+            else:
+                block_ids[0, 1:] = draft_logits[0].argmax(dim=-1)
+            out = target(block_ids, position_ids=positions[:, -block:], use_cache=True,
+                         output_hidden_states=True, **{cache_arg: target_cache})
+            accepted, bonus = _verify(block_ids[0, 1:], out.logits[0].float(), draft_probs, temperature)
+            committed = torch.cat([block_ids[0, 1:accepted + 1], bonus])
+            hits = torch.isin(committed, stops).nonzero()
+            if hits.numel() > 0:
+                committed = committed[: int(hits[0, 0]) + 1]
+                stopped = True
+            tokens.append(committed)
+            generated += committed.numel()
+            acceptance.append(accepted + 1)
+            start += accepted + 1
+            _crop_to(target_cache, start)
+            context = extract_context_feature(out.hidden_states, self.target_layer_ids)[:, :accepted + 1]
+        output_ids = torch.cat(tokens)[: prompt_len + max_new_tokens][None]
+        if not return_stats:
+            return output_ids
+        return SimpleNamespace(output_ids=output_ids, num_input_tokens=prompt_len,
+                               num_output_tokens=output_ids.shape[1] - prompt_len,
+                               acceptance_lengths=acceptance)
+
+
+def _sample(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    return torch.multinomial(torch.softmax(logits.float() / temperature, dim=-1), 1)[:, 0]
+
+
+def _verify(drafts: torch.Tensor, target_logits: torch.Tensor, draft_probs: torch.Tensor | None,
+            temperature: float) -> tuple[int, torch.Tensor]:
+    """Number of accepted drafts and the next (bonus) token, from ``[B, V]`` verify logits."""
+    num = drafts.shape[0]
+    if temperature <= 0:
+        posterior = target_logits.argmax(dim=-1)
+        accepted = int((drafts == posterior[:-1]).long().cumprod(0).sum())
+        return accepted, posterior[accepted:accepted + 1]
+    target_probs = torch.softmax(target_logits / temperature, dim=-1)
+    p = target_probs[:num].gather(-1, drafts[:, None])[:, 0]
+    q = draft_probs[0].gather(-1, drafts[:, None])[:, 0]
+    accept = torch.rand_like(p) * q < p
+    accepted = int(accept.long().cumprod(0).sum())
+    if accepted == num:
+        return accepted, torch.multinomial(target_probs[num], 1)
+    residual = (target_probs[accepted] - draft_probs[0, accepted]).clamp_min(0)
+    if float(residual.sum()) <= 0:
+        residual = target_probs[accepted]
+    return accepted, torch.multinomial(residual / residual.sum(), 1)
+
+
+def _crop_to(cache: Any, length: int) -> None:
+    # Negative crop removes tokens from the end in transformers 4.x and 5.x alike.
+    excess = cache.get_seq_length() - length
+    if excess > 0:
+        cache.crop(-excess)
+
+
+__all__ = ["DFlashDraftModel", "build_target_layer_ids", "extract_context_feature", "dflash_value"]

@@ -1,0 +1,139 @@
+"""The DFlash training objective: one micro-batch -> loss and metrics.
+
+:class:`DFlashObjective` owns the drafter and borrows the target's frozen embedding and LM
+head. The trainer calls ``objective(batch, features, step)`` and backpropagates the loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dflash_trainer.config import Config, default_gamma
+from dflash_trainer.model.blocks import (build_block_inputs, dense_block_mask, flex_block_mask,
+                                         labels_and_weights, position_ids)
+from dflash_trainer.model.loss import dflash_loss
+from dflash_trainer.model.modeling.dflash import DFlashDraftModel
+
+__all__ = ["DFlashObjective", "noise_scale"]
+
+
+def noise_scale(step: int, noise_std: float, warmup_steps: int) -> float:
+    """Hidden-state noise std at ``step``: ramps linearly from 0 to ``noise_std`` over the warmup."""
+    if warmup_steps <= 0:
+        return noise_std
+    return noise_std * min(1.0, step / warmup_steps)
+
+
+class DFlashObjective(nn.Module):
+    """Drafter + frozen target embedding/LM head -> decay-weighted block loss.
+
+    The embedding and head tensors are kept as plain attributes (not parameters or buffers),
+    so they are shared with the target, never copied, and stay out of ``state_dict()`` and
+    out of DDP/FSDP parameter sets. For DDP, wrap the objective itself (its only parameters
+    are the drafter's), so ``self.drafter`` stays the plain module.
+    """
+
+    def __init__(self, drafter: DFlashDraftModel, embed_weight: torch.Tensor, head_weight: torch.Tensor, *,
+                 gamma: float | None, loss_chunk_size: int,
+                 labels: Literal["data", "target_greedy", "kl"] = "data",
+                 attention: Literal["auto", "sdpa", "flex"] = "auto",
+                 noise_std: float = 0.0, noise_warmup_steps: int = 0) -> None:
+        super().__init__()
+        if embed_weight.requires_grad or head_weight.requires_grad:
+            raise ValueError("the target embedding and LM head must be frozen (requires_grad=False)")
+        if drafter.mask_token_id is None:
+            raise ValueError("the drafter config has no dflash_config.mask_token_id")
+        self.drafter = drafter
+        self.embed_weight = embed_weight
+        self.head_weight = head_weight
+        self.block_size = drafter.block_size
+        self.mask_token_id = int(drafter.mask_token_id)
+        self.gamma = gamma
+        self.loss_chunk_size = loss_chunk_size
+        self.labels = labels
+        self.attention = attention
+        self.noise_std = noise_std
+        self.noise_warmup_steps = noise_warmup_steps
+
+    @classmethod
+    def from_config(cls, drafter: DFlashDraftModel, embed_weight: torch.Tensor, head_weight: torch.Tensor,
+                    cfg: Config) -> DFlashObjective:
+        """Objective with ``training.*`` and ``model.attention`` settings from the run config."""
+        t = cfg.training
+        gamma = t.gamma if t.gamma is not None else default_gamma(drafter.block_size)
+        return cls(drafter, embed_weight, head_weight, gamma=gamma, loss_chunk_size=t.loss_chunk_size,
+                   labels=t.labels, attention=cfg.model.attention, noise_std=t.noise_std,
+                   noise_warmup_steps=t.noise_warmup_steps)
+
+    def noise_scale(self, step: int) -> float:
+        """Std of the Gaussian noise added to the target features at ``step``."""
+        return noise_scale(step, self.noise_std, self.noise_warmup_steps)
+
+    def _use_flex(self, device: torch.device) -> bool:
+        if self.attention == "auto":
+            return device.type == "cuda"
+        if self.attention == "flex" and device.type != "cuda" and torch.is_grad_enabled():
+            raise ValueError("model.attention=flex needs CUDA for training (FlexAttention has no CPU "
+                             "backward); use model.attention=sdpa or auto")
+        return self.attention == "flex"
+
+    def forward(self, batch: Mapping[str, torch.Tensor], features: torch.Tensor,
+                step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss and metrics for one micro-batch.
+
+        Args:
+            batch: ``input_ids`` [B, S] (right-padded), ``loss_mask`` [B, S], ``seq_lens`` [B],
+                ``anchors`` [B, N], ``keep`` [B, N]; with ``labels="target_greedy"`` also
+                ``target_labels`` [B, S]; with ``labels="kl"`` also ``final_hidden`` [B, S, H]
+                (see :class:`~dflash_trainer.model.target.TargetOutputs`).
+            features: ``[B, S, K*H]`` target layer outputs for the same tokens.
+            step: optimizer step, for the noise ramp.
+
+        Returns:
+            ``(loss, metrics)``; metrics are on-device tensors (see
+            :func:`~dflash_trainer.model.loss.dflash_loss`) plus ``noise_std``.
+        """
+        input_ids, loss_mask, seq_lens = batch["input_ids"], batch["loss_mask"], batch["seq_lens"]
+        anchors, keep = batch["anchors"], batch["keep"]
+        context_len = input_ids.shape[1]
+        block = self.block_size
+        label_ids = input_ids
+        if self.labels == "target_greedy":
+            label_ids = _required(batch, "target_labels")
+        noise_ids, block_positions = build_block_inputs(input_ids, anchors, keep, self.mask_token_id, block)
+        labels, weights = labels_and_weights(label_ids, loss_mask, anchors, keep, block, self.gamma, seq_lens)
+        if self._use_flex(features.device):
+            mask = flex_block_mask(anchors, keep, context_len, block)
+        else:
+            mask = dense_block_mask(anchors, keep, context_len, block)
+        dtype = self.drafter.fc.weight.dtype
+        context = features.to(dtype)
+        scale = self.noise_scale(step)
+        if scale > 0:
+            context = context + torch.randn_like(context) * scale
+        hidden = self.drafter(position_ids(block_positions, context_len),
+                              F.embedding(noise_ids, self.embed_weight).to(dtype), context,
+                              attention_mask=mask)
+        soft_hidden = None
+        if self.labels == "kl":
+            final_hidden = _required(batch, "final_hidden")
+            # The target's distribution for slot k (position a + k) comes from position a + k - 1.
+            prev = (anchors[:, :, None] + torch.arange(block - 1, device=anchors.device)).flatten(1)
+            soft_hidden = final_hidden.gather(1, prev[..., None].expand(-1, -1, final_hidden.shape[-1]))
+            soft_hidden = soft_hidden.view(*labels.shape, -1)
+        loss, metrics = dflash_loss(hidden, self.head_weight, labels, weights, keep,
+                                    chunk_size=self.loss_chunk_size, soft_hidden=soft_hidden)
+        metrics["noise_std"] = torch.tensor(scale)
+        return loss, metrics
+
+
+def _required(batch: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
+    if key not in batch:
+        raise KeyError(f"batch has no {key!r}; it is needed for training.labels and comes from "
+                       f"FeatureExtractor(labels=...) (TargetOutputs)")
+    return batch[key]

