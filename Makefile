@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(VENV)/bin/dflash-trainer prepare --config $(DEMO_CONFIG)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/dflash-trainer demo --config $(DEMO_CONFIG)
 
 test: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests

@@ -62,3 +62,20 @@ def test_train_end_to_end(tiny_setup, tmp_path: Path):
     assert (run / "checkpoints" / "latest").is_file()
     assert (run / "report" / "index.html").is_file()
     assert list((run / "tensorboard").glob("events.*"))
+
+
+def test_demo_command_end_to_end(tiny_setup, tmp_path: Path, capsys):
+    target, data = tiny_setup
+    run = tmp_path / "demo"
+    code = cli_main(["demo", *overrides(target, data, run, "training.epochs=1",
+                                        "eval.prompts=mtbench", "eval.in_training_prompts=2",
+                                        "eval.max_new_tokens=12")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "acceptance length tau" in out and "exported drafter" in out
+    results = json.loads((run / "eval" / "results.json").read_text())
+    assert results["lossless"] and results["untrained_lossless"]
+    assert 1.0 <= results["tau"] <= 16 and 1.0 <= results["untrained_tau"] <= 16
+    taus = [r for r in read_jsonl(run / "metrics.jsonl") if "eval/tau" in r]
+    assert [r["step"] for r in taus][0] == 0 and len(taus) == 2
+    assert (run / "report" / "index.html").is_file()

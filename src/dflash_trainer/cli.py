@@ -1,4 +1,4 @@
-"""Command line: ``dflash-trainer {prepare,train,eval,export,regenerate,report} [options]``.
+"""Command line: ``dflash-trainer {prepare,train,eval,export,regenerate,demo,report} [options]``.
 
 Every command takes ``--config FILE`` and dotted overrides (``training.lr=3e-4``). Command
 flags such as ``--target`` are shorthands for config keys. Handlers are imported lazily so
@@ -71,6 +71,11 @@ COMMANDS: dict[str, Command] = {
                ("--top-p", {"type": float, "default": None}),
                ("--top-k", {"type": int, "default": None}),
                ("--limit", {"type": int, "default": None, "help": "at most N conversations"})],
+    ),
+    "demo": Command(
+        handler="dflash_trainer.demo:main",
+        help="The main job: prepare, train, evaluate before/after, export, report.",
+        flags={"--target": "model.target", "--data": "data.paths", "--run-dir": "run_dir"},
     ),
     "report": Command(
         handler="dflash_trainer.report:main",
