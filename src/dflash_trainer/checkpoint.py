@@ -6,6 +6,7 @@ Layout under ``RUN_DIR/checkpoints``::
       state.pt         training state of this rank set (weights, optimizer, schedule, data cursor, RNG)
       rank-R.pt        per-rank state (RNG, data cursor) for R > 0
       drafter/         the drafter in the z-lab export format (servable as is)
+      config.yaml      the run configuration the checkpoint was written with
       manifest.json    file sizes and SHA-256 of every file above, written last
     latest             text file naming the newest complete checkpoint (replaced atomically)
 
@@ -13,6 +14,7 @@ The training loop only takes a snapshot (tensors copied to CPU) between steps; a
 thread writes it to ``step-N.tmp/``, fsyncs every file and the folder, renames it to
 ``step-N/`` and then moves ``latest``. A crash at any moment leaves ``latest`` naming a
 complete checkpoint; a partial or corrupt folder fails manifest validation and is skipped.
+Retention renames a folder out of the ``step-N`` namespace before deleting it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +38,17 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
+_TRASH = ".deleting"
+WRITER_NICE = 10
+"""Niceness of the writer thread (Linux): the training threads win the CPU when both want it."""
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used (missing, partial, corrupt or incompatible)."""
+
+
+class ResumeError(CheckpointError):
+    """A resume request the user must change (no checkpoint, incompatible config or world)."""
 
 
 def snapshot(obj: Any) -> Any:
@@ -115,6 +124,15 @@ def _atomic_write_text(path: Path, text: str) -> None:
     _fsync_path(path.parent)
 
 
+def _move_to_trash(folder: Path) -> None:
+    """Rename out of the ``step-N`` namespace (atomic) before deleting: a crash mid-delete
+    leaves only trash that the next save removes, never a half-deleted ``step-N``."""
+    trash = folder.with_name(folder.name + _TRASH)
+    if trash.exists():
+        shutil.rmtree(trash)
+    os.replace(folder, trash)
+
+
 def _step_of(folder: Path) -> int | None:
     name = folder.name
     if not name.startswith("step-") or not name[5:].isdigit():
@@ -159,11 +177,14 @@ def resolve_resume(resume: str | None, ckpt_dir: Path) -> Path | None:
     if folder.is_dir() and (folder / LATEST).is_file():
         found = find_resume_checkpoint(folder)
         if found is None:
-            raise CheckpointError(f"checkpoint.resume={resume}: no complete checkpoint in it")
+            raise ResumeError(f"checkpoint.resume={resume}: no complete checkpoint in it")
         return found
     if not folder.is_dir():
-        raise CheckpointError(f"checkpoint.resume={resume}: no such checkpoint folder")
-    validate_checkpoint(folder)
+        raise ResumeError(f"checkpoint.resume={resume}: no such checkpoint folder")
+    try:
+        validate_checkpoint(folder)
+    except CheckpointError as exc:
+        raise ResumeError(f"checkpoint.resume={resume}: {exc}") from exc
     return folder
 
 
@@ -188,6 +209,10 @@ class SaveRequest:
     rank_states: dict[int, Any]
     export: Callable[[Path], None] | None
     """Writes the servable drafter folder (runs on the writer thread)."""
+    best: bool = False
+    """Mark this checkpoint best once written (kept beyond ``keep_last``)."""
+    files: dict[str, str] = field(default_factory=dict)
+    """Small text files to write into the folder (name -> content)."""
 
 
 class Checkpointer:
@@ -195,18 +220,22 @@ class Checkpointer:
 
     ``save`` blocks only if a previous write is still in progress when the next one is
     requested (the queue holds one pending save), which bounds memory to two snapshots.
+    Retention keeps the ``keep_last`` newest ``step-N`` folders plus the one marked best.
     """
 
     def __init__(self, ckpt_dir: Path, *, keep_last: int, async_save: bool = True) -> None:
         self.ckpt_dir = Path(ckpt_dir)
         self.keep_last = keep_last
         self.async_save = async_save
-        self.best: set[int] = set()
+        self.best_step: int | None = None
+        """The checkpoint kept regardless of retention (see :meth:`mark_best`)."""
+        self._best_lock = threading.Lock()
         self._queue: queue.Queue[SaveRequest | None] = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
         self.last_saved_step: int | None = None
+        """Newest step on disk (set by the writer thread)."""
         self.write_seconds: list[float] = []
         if async_save:
             self._thread = threading.Thread(target=self._worker, name="checkpointer", daemon=True)
@@ -215,14 +244,17 @@ class Checkpointer:
     def save(self, request: SaveRequest) -> None:
         """Queue (async) or write (sync) a snapshot; re-raises an earlier write failure."""
         self.raise_if_failed()
+        if self._closed:
+            raise CheckpointError("save() after close()")
         if not self.async_save:
             self._write(request)
             return
         self._queue.put(request)
 
     def mark_best(self, step: int) -> None:
-        """Keep ``step-N`` regardless of retention."""
-        self.best.add(step)
+        """Keep ``step-N`` regardless of retention; it replaces the previous best."""
+        with self._best_lock:
+            self.best_step = step
 
     def raise_if_failed(self) -> None:
         """Forward a writer-thread failure to the caller's thread."""
@@ -246,6 +278,11 @@ class Checkpointer:
         self.raise_if_failed()
 
     def _worker(self) -> None:
+        try:
+            # Linux threads are tasks: this lowers the priority of this thread only.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (AttributeError, OSError) as exc:
+            log.debug("checkpoint writer keeps its priority: %s", exc)
         while True:
             request = self._queue.get()
             try:
@@ -270,27 +307,33 @@ class Checkpointer:
         torch.save(request.state, tmp / "state.pt")
         for rank, rank_state in request.rank_states.items():
             torch.save(rank_state, tmp / f"rank-{rank}.pt")
+        for name, text in request.files.items():
+            (tmp / name).write_text(text)
         if request.export is not None:
             request.export(tmp / "drafter")
         _write_manifest(tmp, request.step)
-        if final.exists():
-            shutil.rmtree(final)
+        if final.exists():  # the same step again (a resume from an older checkpoint)
+            _move_to_trash(final)
         os.replace(tmp, final)
         _fsync_path(self.ckpt_dir)
         _atomic_write_text(self.ckpt_dir / LATEST, final.name)
         self.last_saved_step = request.step
-        self._apply_retention()
+        if request.best:
+            self.mark_best(request.step)
+        self._apply_retention(final.name)
         self.write_seconds.append(time.perf_counter() - start)
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, latest: str) -> None:
         folders = sorted((p for p in self.ckpt_dir.iterdir()
                           if p.is_dir() and _step_of(p) is not None),
                          key=lambda p: _step_of(p) or 0)
-        stale = [p for p in self.ckpt_dir.iterdir() if p.name.endswith(".tmp") and p.is_dir()]
-        keep = {p.name for p in folders[-self.keep_last:]}
+        # The one just written always stays, even below newer folders of an abandoned run.
+        keep = {p.name for p in folders[-self.keep_last:]} | {latest}
+        with self._best_lock:
+            best = self.best_step
         for folder in folders:
-            step = _step_of(folder)
-            if folder.name not in keep and step not in self.best:
+            if folder.name not in keep and _step_of(folder) != best:
+                _move_to_trash(folder)
+        for folder in self.ckpt_dir.iterdir():
+            if folder.is_dir() and folder.name.endswith((".tmp", _TRASH)):
                 shutil.rmtree(folder, ignore_errors=True)
-        for folder in stale:
-            shutil.rmtree(folder, ignore_errors=True)

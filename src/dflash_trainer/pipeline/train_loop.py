@@ -14,9 +14,14 @@ from typing import Any
 import torch
 
 from dflash_trainer.config import TrainingConfig
-from dflash_trainer.distributed import DistInfo, all_reduce_sum
+from dflash_trainer.distributed import (
+    CollectiveTimer, DistInfo, all_reduce_sum, gradient_sync, replicated_value)
 from dflash_trainer.optim import LRSchedule
 from dflash_trainer.pipeline.batch import Batch
+
+# Window sums whose ratios are logged; all-reduced at log time so the ratios cover every rank.
+GLOBAL_SUMS = ("wce", "weight", "correct", "count", "tau", "blocks")
+
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient norm."""
@@ -78,6 +83,8 @@ class DrafterTrainLoop:
             "tokens", "samples")}
         self._slot_correct = zeros(slots)
         self._slot_count = zeros(slots)
+        # (weighted CE sum, weight sum) since the last checkpoint, for "best" checkpoints.
+        self._since_checkpoint = zeros(2)
         self._grad_norm_max = zeros(())
         self._consecutive_bad = torch.zeros((), device=self.device, dtype=torch.int64)
         self._window_steps = 0
@@ -86,6 +93,7 @@ class DrafterTrainLoop:
         self._wait_time = 0.0
         self._last_step_end: float | None = None
         self._found_inf = torch.zeros((), device=self.device, dtype=torch.float32)
+        self._weight_reduce = CollectiveTimer(self.device)
         self._check_every = max(1, min(cfg.max_nonfinite_steps, 10))
 
     def note_wait(self, seconds: float) -> None:
@@ -100,15 +108,20 @@ class DrafterTrainLoop:
             for tensor in (item.features, *item.extras.values()):
                 tensor.record_stream(torch.cuda.current_stream(self.device))
         batch = item.batch
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
-                            enabled=self.autocast_dtype is not None):
-            local_loss, m = self.objective(item.inputs, item.features, self.optimizer_step)
-        # Global normalisation: every rank rescales its mean to "local weighted sum / global
-        # weight sum" (one all-reduce); DDP averages gradients, hence the world_size factor.
-        local_weight = m["weight_sum"].detach()
-        global_weight = all_reduce_sum(local_weight.clone())
-        scale = local_weight.clamp_min(1e-6) * self.dist.world_size / global_weight.clamp_min(1e-6)
-        (local_loss * scale / self.cfg.grad_accum).backward()
+        # Gradients are reduced across ranks only on the micro-batch that ends a step.
+        last_micro = (self.micro_step + 1) % self.cfg.grad_accum == 0
+        with gradient_sync(self.objective, last_micro):
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
+                                enabled=self.autocast_dtype is not None):
+                local_loss, m = self.objective(item.inputs, item.features, self.optimizer_step)
+            # Global normalisation: every rank rescales its mean to "local weighted sum /
+            # global weight sum" (one all-reduce, which is also where ranks wait for the
+            # slowest); DDP and FSDP average gradients, hence the world_size factor.
+            local_weight = m["weight_sum"].detach()
+            global_weight = self._weight_reduce.all_reduce_sum(local_weight.clone())
+            scale = (local_weight.clamp_min(1e-6) * self.dist.world_size
+                     / global_weight.clamp_min(1e-6))
+            (local_loss * scale / self.cfg.grad_accum).backward()
         self._accumulate(m, batch)
         self.micro_step += 1
         self.last_plan_step = batch.step
@@ -122,8 +135,11 @@ class DrafterTrainLoop:
             # A non-finite micro-batch is skipped by the optimizer; keep it out of the means.
             wce = m["weighted_loss_sum"].detach().double()
             finite = torch.isfinite(wce)
-            self._sums["wce"] += torch.where(finite, wce, 0)
-            self._sums["weight"] += torch.where(finite, m["weight_sum"].double(), 0)
+            wce = torch.where(finite, wce, 0)
+            weight = torch.where(finite, m["weight_sum"].double(), 0)
+            self._sums["wce"] += wce
+            self._sums["weight"] += weight
+            self._since_checkpoint += torch.stack((wce, weight))
             self._sums["correct"] += m["correct"].double()
             self._sums["count"] += m["counted"].double()
             self._sums["tau"] += m["accept_sum"].double()
@@ -134,8 +150,8 @@ class DrafterTrainLoop:
             self._slot_count += m["count_per_slot"].double()
 
     def _optimizer_step(self) -> None:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.cfg.grad_clip,
-                                                   foreach=True)
+        grad_norm = replicated_value(torch.nn.utils.clip_grad_norm_(
+            self.parameters, self.cfg.grad_clip, foreach=True))
         bad = ~torch.isfinite(grad_norm)
         # Skipped on the device by the fused optimizer; parameters and moments stay as they were.
         self._found_inf.copy_(bad.float())
@@ -164,6 +180,17 @@ class DrafterTrainLoop:
                 f"(last at step {self.optimizer_step}); lower training.lr, check the data, or "
                 f"raise training.max_nonfinite_steps")
 
+    def loss_since_checkpoint(self) -> float | None:
+        """Mean train loss (all ranks) since the previous call; None if nothing was trained.
+
+        One host sync and, with several ranks, one all-reduce: call it on every rank at
+        checkpoint time only.
+        """
+        sums = all_reduce_sum(self._since_checkpoint.clone())
+        self._since_checkpoint.zero_()
+        wce, weight = sums.tolist()
+        return wce / weight if weight > 0 else None
+
     def get_metrics(self) -> dict[str, float]:
         """Window metrics since the last call (one host sync); resets the window."""
         now = time.perf_counter()
@@ -171,6 +198,14 @@ class DrafterTrainLoop:
         sums = {k: float(v) for k, v in self._sums.items()}
         slot_correct = self._slot_correct.tolist()
         slot_count = self._slot_count.tolist()
+        if self.dist.enabled:
+            # Log time only: loss and accuracies over every rank's tokens, not a mean of
+            # per-rank ratios (ranks hold different numbers of tokens).
+            packed = all_reduce_sum(torch.cat([torch.stack([self._sums[k] for k in GLOBAL_SUMS]),
+                                               self._slot_correct, self._slot_count])).tolist()
+            sums.update(zip(GLOBAL_SUMS, packed))
+            slot_correct = packed[len(GLOBAL_SUMS):len(GLOBAL_SUMS) + len(slot_correct)]
+            slot_count = packed[len(GLOBAL_SUMS) + len(slot_correct):]
         steps = max(self._window_steps, 1)
         good_steps = max(self._window_steps - sums["skipped"], 1)
         self.total_skipped += int(sums["skipped"])
@@ -190,6 +225,8 @@ class DrafterTrainLoop:
         }
         for k, (c, n) in enumerate(zip(slot_correct, slot_count), start=1):
             metrics[f"train/acc_pos/{k}"] = c / n if n else 0.0
+        if self.dist.enabled:
+            metrics["perf/allreduce_wait_s"] = self._weight_reduce.collect() / steps
         if self.peak_flops and self.flops_per_token:
             metrics["perf/mfu"] = sums["tokens"] * self.flops_per_token / window / self.peak_flops
         for value in self._sums.values():

@@ -1,0 +1,259 @@
+"""Resume: a run stopped at step k and resumed trains exactly the batches of an uninterrupted
+run, in the same order, with bitwise equal losses and weights (CPU); what a checkpoint holds;
+W&B run continuation; refused resumes; a corrupt latest checkpoint skipped by the trainer.
+
+Everything runs the real Trainer on a tiny random target (through the Python API, which the
+CLI calls), so one module-scoped set of runs serves every test here.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dflash_trainer.checkpoint import (
+    CheckpointError, Checkpointer, ResumeError, SaveRequest, _write_manifest, load_state,
+    validate_checkpoint)
+from dflash_trainer.cli import main as cli_main
+from dflash_trainer.config import load_config
+from dflash_trainer.model.export import load_drafter
+from dflash_trainer.train import Trainer
+from helpers_e2e import make_chat_jsonl, make_tiny_target
+
+STOP_AT = 5
+EPOCHS = 2
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("resume")
+    return {"root": root, "target": make_tiny_target(root / "target", layers=2, hidden=32),
+            "data": make_chat_jsonl(root / "chat.jsonl", num=16), "cache": root / "cache"}
+
+
+def overrides(setup: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
+    """A run of 14 optimizer steps that takes ~2 s on one CPU thread."""
+    return [f"model.target={setup['target']}", f"data.paths=[{setup['data']}]",
+            f"run_dir={run_dir}", f"data.cache_dir={setup['cache']}", "data.max_length=128",
+            "data.heldout_samples=0", "model.target_layer_ids=[0,1]",
+            "pipeline.tokens_per_batch=256", "pipeline.num_buckets=2",
+            "pipeline.prefetch_workers=3", "pipeline.num_threads=1",
+            "training.num_anchors=4", f"training.epochs={EPOCHS}", "training.lr=1e-3",
+            # Noise draws from the global torch RNG: the resumed run must restore it.
+            "training.noise_std=0.05", "logging.every_steps=1", "logging.console=false",
+            "logging.tensorboard=false", "checkpoint.every_steps=3", "checkpoint.keep_last=2",
+            *extra]
+
+
+Record = tuple[int, int, tuple[int, ...]]
+
+
+def train(args: list[str], **kwargs: Any) -> tuple[list[Record], Trainer]:
+    """Build a Trainer, train, close; the (epoch, plan step, sample ids) of every batch."""
+    records: list[Record] = []
+    trainer = Trainer(load_config(None, args))
+    try:
+        trainer.train(on_batch=lambda b: records.append(
+            (b.epoch, b.step, tuple(b.sample_ids.tolist()))), **kwargs)
+    finally:
+        trainer.close()
+    return records, trainer
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def by_step(records: list[dict[str, Any]], key: str) -> dict[int, float]:
+    """The last value logged for each step (a resume re-logs its first step's window)."""
+    return {r["step"]: r[key] for r in records if key in r}
+
+
+@pytest.fixture(scope="module")
+def runs(setup: dict[str, Path]) -> dict[str, Any]:
+    root = setup["root"]
+    full_dir, split_dir = root / "full", root / "split"
+    full, full_trainer = train(overrides(setup, full_dir))
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true",
+                           "WANDB_CONSOLE": "off", "WANDB_BASE_URL": "http://127.0.0.1:9"}.items():
+            mp.setenv(key, value)
+        mp.delenv("WANDB_API_KEY", raising=False)
+        first, first_trainer = train(overrides(setup, split_dir, "logging.wandb=offline"),
+                                     stop_after_steps=STOP_AT)
+        stop_metrics = metrics(split_dir)
+        stop_state = load_state(split_dir / "checkpoints" / f"step-{STOP_AT}")
+        second, second_trainer = train(overrides(setup, split_dir, "logging.wandb=offline",
+                                                 "checkpoint.resume=auto"))
+    return {"full_dir": full_dir, "split_dir": split_dir, "full": full, "first": first,
+            "second": second, "full_trainer": full_trainer, "first_trainer": first_trainer,
+            "second_trainer": second_trainer, "stop_metrics": stop_metrics,
+            "stop_state": stop_state}
+
+
+def test_resumed_run_trains_the_same_batches_with_bitwise_equal_losses(runs):
+    full, first, second = runs["full"], runs["first"], runs["second"]
+    total = runs["full_trainer"].total_steps
+    assert runs["first_trainer"].stopped_by == "stop_after_steps"
+    assert len(first) == STOP_AT and runs["second_trainer"].stopped_by == "completed"
+    # Same batches, same order; together every planned sample exactly once per epoch.
+    assert first + second == full and len(full) == total
+    counts = collections.Counter(i for _, _, ids in full for i in ids)
+    assert set(counts.values()) == {EPOCHS}
+    # Batches were in flight (dispatched, not trained) when the first part stopped, and the
+    # checkpoint's data cursor points at the first one of them.
+    last = runs["stop_metrics"][-1]
+    dispatched = sum(v for k, v in last.items() if k.startswith("data/bucket/"))
+    assert last["step"] == STOP_AT and dispatched > STOP_AT
+    assert runs["stop_state"]["prefetch"]["step"] == STOP_AT
+    # Bitwise: losses, gradient norms and learning rates per step, then the final weights.
+    full_m, split_m = metrics(runs["full_dir"]), metrics(runs["split_dir"])
+    for key in ("train/loss", "train/grad_norm", "train/lr"):
+        assert by_step(split_m, key) == by_step(full_m, key), key
+    assert sorted(by_step(split_m, "train/loss")) == list(range(1, total + 1))
+    a = load_state(runs["full_dir"] / "checkpoints" / f"step-{total}")
+    b = load_state(runs["split_dir"] / "checkpoints" / f"step-{total}")
+    assert a["drafter"].keys() == b["drafter"].keys()
+    assert all(torch.equal(a["drafter"][k], b["drafter"][k]) for k in a["drafter"])
+    # Run totals continue across the resume (checkpoint steps are log steps).
+    assert full_m[-1]["train/samples_total"] == split_m[-1]["train/samples_total"] == sum(
+        counts.values())
+
+
+def test_checkpoint_holds_the_training_state_and_a_servable_drafter(runs):
+    state = runs["stop_state"]
+    folder = runs["split_dir"] / "checkpoints"
+    assert state["step"] == STOP_AT and state["epoch"] == 0
+    loop = state["loop"]
+    assert loop["optimizer_step"] == STOP_AT and loop["schedule"]["step_count"] == STOP_AT
+    assert loop["optimizer"]["state"], "AdamW moments missing"
+    assert set(state["rng"]) >= {"python", "numpy", "torch"}
+    assert state["tracker_run_id"] == runs["first_trainer"].trackers.run_id
+    assert state["monitor"]["totals"]["train/samples_total"] > 0
+    assert state["best"]["metric"] == "train/loss" and state["best"]["step"] <= STOP_AT
+    assert state["world_size"] == 1
+    # The drafter folder is the z-lab export (bf16) of the same weights.
+    latest = folder / (folder / "latest").read_text().strip()
+    final = load_state(latest)
+    drafter = load_drafter(latest / "drafter")
+    exported = drafter.state_dict()
+    for key, value in final["drafter"].items():
+        if key in exported:
+            assert torch.equal(exported[key], value.to(torch.bfloat16).float()), key
+    assert (latest / "config.yaml").is_file()
+
+
+def test_retention_keeps_the_last_checkpoints_and_the_best(runs):
+    folder = runs["full_dir"] / "checkpoints"
+    total = runs["full_trainer"].total_steps
+    best = runs["full_trainer"].best
+    assert best is not None and best["metric"] == "train/loss"
+    names = {p.name for p in folder.iterdir() if p.is_dir()}
+    assert names == {f"step-{total - total % 3}", f"step-{total}", f"step-{best['step']}"}
+    # Each checkpoint records the best so far; the value only ever improves.
+    for name in names:
+        assert load_state(folder / name)["best"]["value"] >= best["value"]
+
+
+def test_checkpointer_best_replaces_the_previous_best(tmp_path: Path):
+    ck = Checkpointer(tmp_path, keep_last=1, async_save=False)
+    for step, best in ((1, True), (2, False), (3, True), (4, False)):
+        ck.save(SaveRequest(step=step, state={"step": step}, rank_states={}, export=None,
+                            best=best))
+    ck.close()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step-3", "step-4"]
+
+
+def _wandb_steps(run_file: Path) -> list[int]:
+    """History steps in a W&B transaction log (LevelDB-style records of protobufs)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, pending, steps = run_file.read_bytes(), 7, b"", []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # block trailer
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 2):
+            pending = chunk
+        elif kind in (3, 4):
+            pending += chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            if record.WhichOneof("record_type") == "history":
+                steps.append(record.history.step.num)
+    return steps
+
+
+def test_wandb_run_continues_with_the_same_id(runs):
+    run_id = runs["first_trainer"].trackers.run_id
+    assert run_id and runs["second_trainer"].trackers.run_id == run_id
+    parts = sorted((runs["split_dir"] / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(parts) == 2
+    steps = [_wandb_steps(p / f"run-{run_id}.wandb") for p in parts]
+    total = runs["full_trainer"].total_steps
+    assert steps[0][-1] == STOP_AT and steps[1][0] > STOP_AT and steps[1][-1] == total
+
+
+def test_refused_resumes_exit_2_with_the_reason(runs, setup, tmp_path: Path, capsys):
+    split_dir = runs["split_dir"]
+    config_before = (split_dir / "config.yaml").read_bytes()
+    # Another world size: the same checkpoint, as if written by 2 ranks.
+    forged = tmp_path / "forged"
+    latest = split_dir / "checkpoints" / (split_dir / "checkpoints" / "latest").read_text()
+    shutil.copytree(latest, forged)
+    state = torch.load(forged / "state.pt", weights_only=False)
+    state["world_size"] = 2
+    torch.save(state, forged / "state.pt")
+    torch.save({"rng": state["rng"], "prefetch": state["prefetch"]}, forged / "rank-1.pt")
+    (forged / "manifest.json").unlink()
+    _write_manifest(forged, state["step"])
+    cases = [
+        (tmp_path / "other", [f"checkpoint.resume={forged}"], "written by 2 rank(s), this run has 1"),
+        (split_dir, ["checkpoint.resume=auto", "training.seed=7"], "training.seed was 42"),
+        (split_dir, ["checkpoint.resume=auto", "pipeline.tokens_per_batch=512"],
+         "pipeline.tokens_per_batch was 256"),
+        (split_dir, [], "holds checkpoints of an earlier run"),
+        (split_dir, [f"checkpoint.resume={tmp_path / 'missing'}"], "no such checkpoint"),
+    ]
+    for run_dir, extra, message in cases:
+        assert cli_main(["train", *overrides(setup, run_dir, *extra)]) == 2, message
+        assert message in capsys.readouterr().err
+    assert (split_dir / "config.yaml").read_bytes() == config_before
+    with pytest.raises(ResumeError):
+        Trainer(load_config(None, overrides(setup, split_dir, "training.num_anchors=8",
+                                            "checkpoint.resume=auto")))
+
+
+def test_corrupt_latest_checkpoint_is_skipped_by_the_trainer(runs, setup, tmp_path: Path,
+                                                             caplog):
+    run_dir = tmp_path / "copy"
+    shutil.copytree(runs["full_dir"], run_dir)
+    ckpt = run_dir / "checkpoints"
+    total = runs["full_trainer"].total_steps
+    state_file = ckpt / f"step-{total}" / "state.pt"
+    data = bytearray(state_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    state_file.write_bytes(bytes(data))
+    (ckpt / f"step-{total + 1}").mkdir()  # a partial folder: no manifest
+    with pytest.raises(CheckpointError):
+        validate_checkpoint(ckpt / f"step-{total}")
+    newest_valid = total - total % 3
+    caplog.set_level(logging.WARNING)
+    records, trainer = train(overrides(setup, run_dir, "checkpoint.resume=auto"))
+    assert "skipping checkpoint" in caplog.text and "checksum" in caplog.text
+    assert [(e, s) for e, s, _ in records] == [(e, s) for e, s, _ in runs["full"][newest_valid:]]
+    resumed = by_step(metrics(run_dir), "train/loss")
+    full = by_step(metrics(runs["full_dir"]), "train/loss")
+    assert all(resumed[s] == full[s] for s in range(newest_valid + 1, total + 1))
+    validate_checkpoint(ckpt / f"step-{total}")  # rewritten by the resumed run

@@ -1,0 +1,265 @@
+"""Signals and failures of a real training process.
+
+- SIGTERM / SIGINT: the current step finishes, a final checkpoint is written, the trackers
+  are closed (W&B's exit record), the process exits 0, within a measured bound.
+- SIGKILL at random moments, several times: ``latest`` always names a complete checkpoint
+  that loads, and ``--resume auto`` continues from it; the run then completes with exact
+  sample accounting.
+- A stage that raises: ``train`` fails within 10 s with the original message, exit code 1,
+  and no thread left running.
+
+Each training process is a real OS process running the CLI's ``main`` (its own signals, exit
+code, threads). Processes are forked from a server that imported the package once
+(multiprocessing "forkserver" with preload), so each costs ~2 s instead of the ~10 s of
+importing torch and transformers again on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import signal
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_trainer.checkpoint import find_resume_checkpoint, load_state, validate_checkpoint
+from dflash_trainer.config import load_config
+from dflash_trainer.model.export import load_drafter
+from dflash_trainer.model.target import FeatureExtractor
+from dflash_trainer.train import Trainer
+from helpers_e2e import make_chat_jsonl, make_tiny_target
+
+SIGNAL_EXIT_BOUND_S = 15.0
+"""Signal -> exit on this shared 2-core machine: one step + final checkpoint + export + close."""
+
+_CTX = multiprocessing.get_context("forkserver")
+_CTX.set_forkserver_preload(["dflash_trainer.cli", "dflash_trainer.train", "test_signals"])
+
+WANDB_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
+             "WANDB_BASE_URL": "http://127.0.0.1:9"}
+
+
+class FailingExtractor(FeatureExtractor):
+    """The real feature extractor, failing on its ``fail_at``-th call (injected fault)."""
+
+    fail_at = 3
+    stamp: Path | None = None
+
+    def __call__(self, input_ids, attention_mask=None):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == self.fail_at:
+            if self.stamp is not None:
+                self.stamp.write_text(repr(time.time()))
+            raise RuntimeError(f"injected target failure at batch {self.fail_at}")
+        return super().__call__(input_ids, attention_mask)
+
+
+def _child(argv: list[str], log: str, env: dict[str, str], fail_stamp: str | None) -> None:
+    """Child process body: ``dflash-trainer train ARGV`` with output to ``log``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(env)
+    if fail_stamp is not None:
+        import dflash_trainer.train as train_module
+
+        FailingExtractor.stamp = Path(fail_stamp)
+        train_module.FeatureExtractor = FailingExtractor
+    from dflash_trainer.cli import main
+
+    code = main(["train", *argv])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+def start(argv: list[str], log: Path, *, env: dict[str, str] | None = None,
+          fail_stamp: Path | None = None) -> multiprocessing.Process:
+    proc = _CTX.Process(target=_child, args=(argv, str(log), env or {},
+                                             None if fail_stamp is None else str(fail_stamp)))
+    proc.start()
+    return proc
+
+
+def wait_for(condition, timeout: float, what: str, proc: multiprocessing.Process | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        if proc is not None and not proc.is_alive():
+            raise AssertionError(f"process exited ({proc.exitcode}) before {what}")
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("signals")
+    return {"root": root, "target": make_tiny_target(root / "target", layers=2, hidden=32),
+            "data": make_chat_jsonl(root / "chat.jsonl", num=16), "cache": root / "cache"}
+
+
+def overrides(setup: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
+    return [f"model.target={setup['target']}", f"data.paths=[{setup['data']}]",
+            f"run_dir={run_dir}", f"data.cache_dir={setup['cache']}", "data.max_length=128",
+            "data.heldout_samples=0", "model.target_layer_ids=[0,1]",
+            "pipeline.tokens_per_batch=256", "pipeline.num_buckets=2",
+            "pipeline.prefetch_workers=2", "pipeline.num_threads=1", "training.num_anchors=4",
+            "training.epochs=2", "logging.every_steps=1", "logging.console=false",
+            "logging.tensorboard=false", *extra]
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    text = path.read_text()
+    complete = text[:text.rfind("\n") + 1]  # the writer may be mid-line
+    return [json.loads(line)["step"] for line in complete.splitlines() if line.strip()]
+
+
+def latest_step(ckpt: Path) -> int:
+    pointer = ckpt / "latest"
+    return int(pointer.read_text().strip()[5:]) if pointer.is_file() else 0
+
+
+def wandb_record_kinds(run_file: Path) -> list[str]:
+    """Record kinds in a W&B transaction log (LevelDB-style records of protobufs)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, pending, kinds = run_file.read_bytes(), 7, b"", []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            kinds.append(record.WhichOneof("record_type") or "")
+    return kinds
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_signal_finishes_the_step_checkpoints_closes_and_exits_0(setup, tmp_path: Path, signum):
+    run_dir = tmp_path / "run"
+    log = tmp_path / "log.txt"
+    wandb = signum == signal.SIGTERM  # W&B's exit record proves the trackers were closed
+    argv = overrides(setup, run_dir, *(["logging.wandb=offline"] if wandb else []))
+    proc = start(argv, log, env=WANDB_ENV if wandb else None)
+    wait_for(lambda: len(logged_steps(run_dir)) >= 2, 120, "two logged steps", proc)
+    sent = time.monotonic()
+    os.kill(proc.pid, signum)
+    proc.join(60)
+    elapsed = time.monotonic() - sent
+    output = log.read_text()
+    assert proc.exitcode == 0, output
+    print(f"{signal.Signals(signum).name}: exit {elapsed:.2f} s after the signal")
+    assert elapsed < SIGNAL_EXIT_BOUND_S
+    assert f"stopped by signal {signal.Signals(signum).name}" in output
+    steps = logged_steps(run_dir)
+    last = steps[-1]
+    assert steps == list(range(1, last + 1)) and last < 14, "whole steps only, stopped early"
+    ckpt = run_dir / "checkpoints"
+    assert latest_step(ckpt) == last
+    state = load_state(ckpt / f"step-{last}")
+    assert state["loop"]["optimizer_step"] == last and state["prefetch"]["stream_index"] == last
+    if wandb:
+        run_id = state["tracker_run_id"]
+        run_file = next((run_dir / "wandb").glob(f"offline-run-*-{run_id}")) / f"run-{run_id}.wandb"
+        kinds = wait_for(lambda: (k := wandb_record_kinds(run_file)) and "exit" in k and k,
+                         15, "the W&B exit record")
+        assert kinds.count("history") == last
+
+
+def test_sigkill_at_random_moments_then_resume_auto(setup, tmp_path: Path):
+    run_dir = tmp_path / "run"
+    ckpt = run_dir / "checkpoints"
+    argv = overrides(setup, run_dir, "checkpoint.every_steps=1", "checkpoint.keep_last=2",
+                     "checkpoint.resume=auto")
+    rng = random.Random(0)
+    resumed_from: list[int] = []
+    for trial in range(3):
+        before = latest_step(ckpt)
+        log = tmp_path / f"log-{trial}.txt"
+        proc = start(argv, log)
+        # Let it get past its resume point, then kill it wherever it is.
+        wait_for(lambda: latest_step(ckpt) > before, 120, "a new checkpoint", proc)
+        time.sleep(rng.uniform(0.0, 0.3))
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(30)
+        assert proc.exitcode == -signal.SIGKILL
+        if trial:
+            assert f"resumed from {ckpt / f'step-{before}'} at step {before}" in log.read_text()
+        folder = find_resume_checkpoint(ckpt)
+        assert folder == ckpt / (ckpt / "latest").read_text().strip(), "latest is not complete"
+        validate_checkpoint(folder)
+        assert load_state(folder)["step"] == latest_step(ckpt)
+        load_drafter(folder / "drafter")
+        resumed_from.append(latest_step(ckpt))
+    log = tmp_path / "log-final.txt"
+    proc = start(argv, log)
+    proc.join(120)
+    output = log.read_text()
+    assert proc.exitcode == 0, output
+    assert f"resumed from {ckpt / f'step-{resumed_from[-1]}'} at step {resumed_from[-1]}" in output
+    assert latest_step(ckpt) == 14
+    # Steps after a checkpoint were re-run by the next process; the run totals come from the
+    # checkpoints, so every sample counts exactly once per epoch in the end.
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 14
+    assert records[-1]["train/samples_total"] == _samples_in_plan(setup, tmp_path)
+
+
+def _samples_in_plan(setup: dict[str, Path], tmp_path: Path) -> int:
+    trainer = Trainer(load_config(None, overrides(setup, tmp_path / "count")))
+    try:
+        return sum(len(ids) for e in range(2) for s in trainer._plan(e).steps
+                   for ids in s.batches)
+    finally:
+        trainer.close()
+
+
+def test_stage_failure_fails_fast_with_the_original_error_and_no_threads(
+        setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import dflash_trainer.train as train_module
+
+    stamp = tmp_path / "raised_at"
+    monkeypatch.setattr(FailingExtractor, "stamp", stamp)
+    monkeypatch.setattr(train_module, "FeatureExtractor", FailingExtractor)
+    before = set(threading.enumerate())
+    trainer = Trainer(load_config(None, overrides(setup, tmp_path / "run",
+                                                  "checkpoint.every_steps=1")))
+    with pytest.raises(RuntimeError, match="injected target failure at batch 3") as info:
+        trainer.train()
+    elapsed = time.time() - float(stamp.read_text())
+    trainer.close()
+    assert elapsed < 10
+    assert "raised in pipeline stage 'target'" in "".join(getattr(info.value, "__notes__", []))
+    leftover = [t.name for t in threading.enumerate()
+                if t not in before and t.is_alive() and t.name != "tqdm_monitor"]
+    assert not leftover, leftover
+    # Steps before the failure were checkpointed and stay loadable.
+    folder = find_resume_checkpoint(tmp_path / "run" / "checkpoints")
+    assert folder is not None and load_state(folder)["step"] >= 1
+
+    # The same failure through the CLI in its own process: exit 1 with the message.
+    log = tmp_path / "log.txt"
+    cli_stamp = tmp_path / "cli_raised_at"
+    proc = start(overrides(setup, tmp_path / "cli"), log, fail_stamp=cli_stamp)
+    proc.join(120)
+    exited = time.time()
+    output = log.read_text()
+    assert proc.exitcode == 1, output
+    assert "RuntimeError: injected target failure at batch 3" in output
+    assert exited - float(cli_stamp.read_text()) < 10
