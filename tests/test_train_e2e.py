@@ -62,6 +62,12 @@ def test_train_end_to_end(tiny_setup, tmp_path: Path):
     assert (run / "checkpoints" / "latest").is_file()
     assert (run / "report" / "index.html").is_file()
     assert list((run / "tensorboard").glob("events.*"))
+    # Any checkpoint exports to a servable folder.
+    ckpt = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    out = tmp_path / "exported"
+    assert cli_main(["export", "--checkpoint", str(ckpt), "--out", str(out),
+                     f"model.target={target}"]) == 0
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
 
 
 def test_demo_command_end_to_end(tiny_setup, tmp_path: Path, capsys):

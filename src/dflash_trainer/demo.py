@@ -9,6 +9,7 @@ output, so the two tau values are directly comparable.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -31,6 +32,11 @@ def _fmt(value: Any) -> str:
 def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     """Run the demo; exit 1 if speculative decoding was not lossless."""
     started = time.monotonic()
+    run_dir = Path(cfg.run_dir)
+    if run_dir.exists() and any(run_dir.iterdir()):
+        # A demo is a fresh run; never resume or overwrite an earlier one.
+        cfg = dataclasses.replace(cfg, run_dir=f"{cfg.run_dir}-{time.strftime('%Y%m%d-%H%M%S')}")
+        print(f"demo: {run_dir} is not empty; this run goes to {cfg.run_dir}", flush=True)
     prepare.main(cfg, None)
     trainer = Trainer(cfg)
     try:

@@ -148,8 +148,11 @@ def load_drafter(path: str | Path, *, dtype: torch.dtype = torch.float32) -> DFl
 
 
 def load_checkpoint_drafter(path: str | Path, *, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
-    """A drafter from an exported folder, or from ``drafter.pt`` (state_dict) + ``drafter_config.json``."""
+    """A drafter from an exported folder, a training checkpoint ``step-N/`` (its ``drafter/``
+    export), or ``drafter.pt`` (state_dict) + ``drafter_config.json``."""
     path = Path(path)
+    if (path / "manifest.json").is_file() and (path / "drafter" / "config.json").is_file():
+        path = path / "drafter"
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
         return load_drafter(path, dtype=dtype)
     if (path / "drafter.pt").is_file() and (path / "drafter_config.json").is_file():
