@@ -276,12 +276,17 @@ def test_workers_cannot_run_unboundedly_ahead_of_a_slow_consumer():
     pre.close()
 
 
-def test_metrics_describe_the_dispatched_batches():
+def test_metrics_describe_the_consumed_batches():
     plan = plan_for()(0)
     pre, channels = make(ArrayDataset(LENGTHS), plan)
     pre.start()
-    drain(channels)
+    batches = drain(channels)[0]
     pre.close()
+    unacknowledged = pre.get_metrics()
+    assert sum(unacknowledged[f"data/bucket/{b}/dispatched"] for b in range(plan.num_buckets)) == 0
+    assert unacknowledged["pipe/queue/batches0/puts"] == len(plan)
+    for batch in batches:
+        pre.acknowledge(batch)
     m = pre.get_metrics()
     per_bucket = [m[f"data/bucket/{b}/dispatched"] for b in range(plan.num_buckets)]
     assert per_bucket == [float(c) for c in plan.stats.steps_per_bucket]
@@ -289,10 +294,10 @@ def test_metrics_describe_the_dispatched_batches():
     assert m["data/max_same_bucket_run"] == plan.stats.max_run
     assert m["data/seq_len_min"] <= m["data/seq_len_mean"] <= m["data/seq_len_max"]
     assert 0.0 <= m["pipe/prefetch/busy_frac"] <= 1.0
-    assert m["pipe/queue/batches0/puts"] == len(plan)
     again = pre.get_metrics()
     assert sum(again[f"data/bucket/{b}/dispatched"] for b in range(plan.num_buckets)) == 0
     assert "data/padding_efficiency" not in again
+    assert again["pipe/queue/batches0/puts"] == 0
 
 
 def test_pin_memory_without_cuda_warns():

@@ -1,20 +1,41 @@
-"""torch.distributed in one place: process group, device, drafter wrapping, metric reduction.
+"""torch.distributed in one place: process group, device, model wrapping, state, metrics.
 
 Launched by torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in the environment) or as a
 single process. gloo on CPU, NCCL on GPU. Model code stays single-device; wrapping happens
-here.
+here:
+
+- drafter: DDP (default) or FSDP2 ``fully_shard`` per decoder layer + root, on the default
+  process group (all its collectives are issued from the main thread).
+- target: replicated (default) or FSDP2 ``fully_shard`` per decoder layer, forward-only, on a
+  process group of its own, because its collectives come from the target-stage thread while
+  the main thread runs the drafter's; two threads on one group could interleave their
+  collectives differently on different ranks and deadlock.
+
+Sharded modules are saved and loaded through full (unsharded) state dicts, so a checkpoint
+looks the same whatever the wrapping.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from dflash_trainer.config import DistributedConfig, PipelineConfig
+
+__all__ = ["CollectiveTimer", "DistInfo", "all_reduce_sum", "check_distributed_options",
+           "close_distributed", "full_model_state", "full_optimizer_state", "gradient_sync",
+           "init_distributed", "is_sharded", "load_model_state", "load_optimizer_state",
+           "reduce_metrics", "replicated_value", "resolve_device", "target_load_device",
+           "wrap_drafter", "wrap_target"]
 
 
 @dataclass(kw_only=True)
@@ -38,11 +59,15 @@ class DistInfo:
 
 
 def resolve_device(pipeline: PipelineConfig, local_rank: int = 0) -> torch.device:
-    """``pipeline.device``: auto picks CUDA when available."""
+    """``pipeline.device``: auto picks CUDA when available; rank r uses GPU ``LOCAL_RANK``."""
     if pipeline.device == "cuda" or (pipeline.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ValueError("pipeline.device=cuda but no CUDA device is available; "
                              "use pipeline.device=auto or cpu")
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK={local_rank} but this node has "
+                             f"{torch.cuda.device_count()} GPU(s); start at most that many "
+                             f"processes per node (torchrun --nproc-per-node)")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -55,14 +80,19 @@ def init_distributed(pipeline: PipelineConfig, cfg: DistributedConfig) -> DistIn
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(pipeline, local_rank)
     if world_size > 1 and not dist.is_initialized():
-        backend = cfg.backend
-        if backend == "auto":
-            backend = "nccl" if device.type == "cuda" else "gloo"
-        if backend == "nccl" and device.type != "cuda":
-            raise ValueError("distributed.backend=nccl needs CUDA devices; use gloo on CPU")
+        backend = _backend(cfg, device)
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=30), **kwargs)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def _backend(cfg: DistributedConfig, device: torch.device) -> str:
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError("distributed.backend=nccl needs CUDA devices; use gloo (or auto) on CPU")
+    return backend
 
 
 def close_distributed() -> None:
@@ -71,23 +101,184 @@ def close_distributed() -> None:
         dist.destroy_process_group()
 
 
-def wrap_drafter(module: torch.nn.Module, info: DistInfo, cfg: DistributedConfig) -> torch.nn.Module:
-    """DDP by default; FSDP2 ``fully_shard`` per decoder layer when asked."""
+def check_distributed_options(cfg: DistributedConfig, info: DistInfo, *,
+                              in_training_eval: bool) -> None:
+    """Refuse combinations that cannot work, before anything is built."""
+    if not info.enabled:
+        return
+    sharded = [name for name, value in (("drafter", cfg.drafter), ("target", cfg.target))
+               if value == "fsdp"]
+    if sharded and in_training_eval:
+        raise ValueError(
+            f"eval.every_steps is set with distributed.{sharded[0]}=fsdp: the in-training "
+            f"evaluation runs on rank 0 alone and cannot run a sharded model; unset "
+            f"eval.every_steps and run `dflash-trainer eval` on the exported drafter instead")
+
+
+# -- wrapping ------------------------------------------------------------------------------
+
+
+def _decoder_layers(module: nn.Module) -> list[nn.Module]:
+    """Blocks of every ``layers`` ModuleList inside ``module`` (the FSDP2 unit of sharding)."""
+    return [layer for name, child in module.named_modules()
+            if name.rsplit(".", 1)[-1] == "layers" and isinstance(child, nn.ModuleList)
+            for layer in child]
+
+
+def wrap_drafter(module: nn.Module, info: DistInfo, cfg: DistributedConfig) -> nn.Module:
+    """DDP by default; FSDP2 ``fully_shard`` per decoder layer, then the root, when asked.
+
+    Both average gradients over ranks; the train loop's loss scaling turns that into the
+    global token-weighted mean (see ``DrafterTrainLoop``).
+    """
     if not info.enabled:
         return module
     if cfg.drafter == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
-        for layer in getattr(module, "layers", []):
+        for layer in _decoder_layers(module):
             fully_shard(layer)
         fully_shard(module)
         return module
     device_ids = [info.device.index] if info.device.type == "cuda" else None
-    # Loss normalisation is global (see DrafterTrainLoop), so DDP's gradient averaging is
-    # undone by scaling the loss by world_size there; broadcast_buffers is off because the
-    # drafter's buffers (rotary tables) are constants.
-    return torch.nn.parallel.DistributedDataParallel(
-        module, device_ids=device_ids, broadcast_buffers=False)
+    # The drafter's buffers (rotary tables) are constants: no re-sync at every forward.
+    return nn.parallel.DistributedDataParallel(module, device_ids=device_ids,
+                                               forward_sync_buffers=False)
+
+
+def target_load_device(info: DistInfo, cfg: DistributedConfig) -> torch.device:
+    """Where to load the target: host memory when it will be sharded, else the device."""
+    if info.enabled and cfg.target == "fsdp":
+        return torch.device("cpu")
+    return info.device
+
+
+def wrap_target(model: nn.Module, info: DistInfo, cfg: DistributedConfig) -> nn.Module:
+    """Shard the frozen target's decoder layers (``distributed.target=fsdp``), else no-op.
+
+    Each decoder layer is all-gathered just before its forward and freed right after, so a
+    device holds one layer at a time plus 1/world of the others. The embedding, final norm
+    and LM head stay whole on every rank: the drafter uses them directly. Layer outputs are
+    full activations, so the feature hooks see the same hidden states as without sharding.
+    The model must have been loaded on the CPU (:func:`target_load_device`).
+    """
+    if not info.enabled or cfg.target != "fsdp":
+        return model
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    group = dist.new_group(backend=_backend(cfg, info.device))
+    mesh = DeviceMesh.from_group(group, info.device.type)
+    layers = _decoder_layers(model)
+    if not layers:
+        raise ValueError(f"distributed.target=fsdp: target {type(model).__name__} has no "
+                         f"`layers` ModuleList to shard; use distributed.target=replicate")
+    for layer in layers:
+        # Every layer is its own FSDP root (nothing above it is sharded); roots keep their
+        # parameters gathered after forward unless told otherwise.
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    # The rest (embedding, final norm, LM head, rotary tables) goes to the device whole.
+    # Same tensor objects, new storage: tied embeddings stay tied.
+    for sub in model.modules():
+        for tensor in (*sub._parameters.values(), *sub._buffers.values()):
+            if tensor is not None and not _is_dtensor(tensor) and tensor.device != info.device:
+                tensor.data = tensor.data.to(info.device)
+    return model
+
+
+# -- state -------------------------------------------------------------------------------
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether any parameter of ``module`` is a DTensor (FSDP2-sharded)."""
+    return any(_is_dtensor(p) for p in module.parameters())
+
+
+def replicated_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for a replicated DTensor result (e.g. FSDP's clip_grad_norm_); no comm."""
+    return tensor.full_tensor() if _is_dtensor(tensor) else tensor
+
+
+def full_model_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` with sharded tensors gathered into whole CPU tensors.
+
+    Works on any part of a sharded model (the drafter inside the FSDP root). A collective
+    (one all-gather per sharded tensor) when ``module`` is sharded: call it on every rank.
+    """
+    state = module.state_dict()
+    if not is_sharded(module):
+        return state
+    return {key: value.full_tensor().cpu() if _is_dtensor(value) else value
+            for key, value in state.items()}
+
+
+def load_model_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a full (unsharded) state dict into a plain or sharded module (every rank)."""
+    if not is_sharded(module):
+        module.load_state_dict(state)
+        return
+    from torch.distributed.tensor import distribute_tensor
+
+    current = module.state_dict()
+    # Every rank holds the full tensors, so each keeps its own shard (src_data_rank=None:
+    # no scatter from rank 0).
+    module.load_state_dict({
+        key: distribute_tensor(value.to(current[key].device), current[key].device_mesh,
+                               current[key].placements, src_data_rank=None)
+        if key in current and _is_dtensor(current[key]) else value
+        for key, value in state.items()})
+
+
+def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state, unsharded when ``module`` is sharded (collective: every rank)."""
+    if not is_sharded(module):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(
+        full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer,
+                         state: dict[str, Any]) -> None:
+    """Load :func:`full_optimizer_state` output on every rank."""
+    if not is_sharded(module):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(module, optimizer, state,
+                             options=StateDictOptions(full_state_dict=True))
+
+
+# -- step-time collectives ---------------------------------------------------------------
+
+
+@contextmanager
+def gradient_sync(module: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce/reduce-scatter inside (accumulation micro-batches).
+
+    Wrap forward AND backward: DDP decides at forward time.
+    """
+    if enabled:
+        yield
+    elif isinstance(module, nn.parallel.DistributedDataParallel):
+        with module.no_sync():
+            yield
+    elif hasattr(module, "set_requires_gradient_sync"):
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -97,29 +288,74 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def reduce_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float]:
-    """Reduce a metrics dict across ranks at log time only.
+class CollectiveTimer:
+    """Sums the time spent in a per-step all-reduce: the wait for the slowest rank.
 
-    Keys ending in ``_max`` take the max; token, sample and skip counters sum; everything
-    else (rates, fractions, per-rank dispatch counts, which are equal on step-aligned ranks)
-    is averaged. Adds the per-rank spread of step time (straggler wait).
+    A rank that reaches the all-reduce first waits there for the others, so this is the
+    straggler wait, per rank. On CPU the (blocking) call is timed on the host; on CUDA a pair
+    of events on the current stream brackets it, read only in :meth:`collect` (log time), so
+    the step itself never synchronizes.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._seconds = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """:func:`all_reduce_sum`, timed."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return tensor
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            all_reduce_sum(tensor)
+            end.record()
+            self._events.append((start, end))
+        else:
+            begin = time.perf_counter()
+            all_reduce_sum(tensor)
+            self._seconds += time.perf_counter() - begin
+        return tensor
+
+    def collect(self) -> float:
+        """Seconds spent since the previous call (waits for the recorded CUDA events)."""
+        seconds = self._seconds
+        for start, end in self._events:
+            end.synchronize()
+            seconds += start.elapsed_time(end) / 1000.0
+        self._seconds = 0.0
+        self._events.clear()
+        return seconds
+
+
+# -- metrics -------------------------------------------------------------------------------
+
+
+def reduce_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float]:
+    """Reduce a metrics dict across ranks at log time only (one all-gather of the dicts).
+
+    Keys ending in ``_max`` take the max; token and sample counters sum (so rates are
+    global); everything else is averaged: per-rank rates and fractions, and values that are
+    equal on every rank (the train loop's loss and accuracies are already global ratios,
+    grad norms and skip counts are global because gradients are reduced, per-rank dispatch
+    counts are equal on step-aligned ranks). A key missing on some ranks is reduced over
+    the ranks that report it. Adds ``perf/step_time_spread_s``, the max minus min over
+    ranks of the mean step time (straggler wait).
     """
     if not info.enabled:
         return metrics
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    gathered = [torch.zeros_like(values) for _ in range(info.world_size)]
-    dist.all_gather(gathered, values)
-    stacked = torch.stack(gathered)
+    gathered: list[Any] = [None] * info.world_size
+    dist.all_gather_object(gathered, {k: float(v) for k, v in metrics.items()})
     out: dict[str, float] = {}
-    for i, key in enumerate(keys):
-        column = stacked[:, i]
+    for key in sorted(set().union(*gathered)):
+        column = [m[key] for m in gathered if key in m]
         if key.endswith("_max"):
-            out[key] = float(column.max())
-        elif key.endswith(("/tokens", "/samples", "skipped_nonfinite")):
-            out[key] = float(column.sum())
+            out[key] = max(column)
+        elif key.endswith(("/tokens", "/samples")):
+            out[key] = sum(column)
         else:
-            out[key] = float(column.mean())
+            out[key] = sum(column) / len(column)
         if key == "perf/step_time_s":
-            out["perf/step_time_spread_s"] = float(column.max() - column.min())
+            out["perf/step_time_spread_s"] = max(column) - min(column)
     return out

@@ -141,7 +141,6 @@ class BatchPrefetcher(Stage):
                     self._cond.wait(POLL_S)
                 batch = self._done.pop(self._emitted)
             self.outputs[batch.stream_index % len(self.outputs)].put(batch)
-            self._metrics.record(batch)
             with self._cond:
                 self._emitted += 1
                 self._cond.notify_all()
@@ -229,7 +228,12 @@ class BatchPrefetcher(Stage):
     # -- resume ------------------------------------------------------------------------
 
     def acknowledge(self, batch: Batch) -> None:
-        """Record that the consumer trained on ``batch`` (call after its optimizer step)."""
+        """Record that the consumer trained on ``batch`` (call after its optimizer step).
+
+        The dispatch metrics count acknowledged batches, so a batch that was in flight at a
+        checkpoint and is produced again after resume is counted once.
+        """
+        self._metrics.record(batch)
         with self._cond:
             epoch, step, index = self._ack_position
             if batch.stream_index < index or batch.stream_index in self._acked:
