@@ -111,8 +111,9 @@ def test_resumed_run_trains_the_same_batches_with_bitwise_equal_losses(runs):
     # Batches were in flight (dispatched, not trained) when the first part stopped, and the
     # checkpoint's data cursor points at the first one of them.
     last = runs["stop_metrics"][-1]
-    dispatched = sum(v for k, v in last.items() if k.startswith("data/bucket/"))
-    assert last["step"] == STOP_AT and dispatched > STOP_AT
+    consumed = sum(v for k, v in last.items() if k.startswith("data/bucket/"))
+    produced = sum(r.get("pipe/queue/batches/puts", 0) for r in runs["stop_metrics"])
+    assert last["step"] == STOP_AT and consumed == STOP_AT and produced > STOP_AT
     assert runs["stop_state"]["prefetch"]["step"] == STOP_AT
     # Bitwise: losses, gradient norms and learning rates per step, then the final weights.
     full_m, split_m = metrics(runs["full_dir"]), metrics(runs["split_dir"])
