@@ -1,0 +1,136 @@
+"""The GPU check and the pipeline benchmark run their own code paths on CPU at tiny shapes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from helpers_e2e import make_chat_jsonl, make_tiny_target
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import gpu_check  # noqa: E402
+from dflash_trainer.model.blocks import dense_block_mask, sample_anchors  # noqa: E402
+from dflash_trainer.model.objective import DFlashObjective  # noqa: E402
+from dflash_trainer.model.target import FeatureExtractor  # noqa: E402
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, str(BENCH / script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def _fraction(value: float) -> bool:
+    return 0.0 <= value <= 1.0 + 1e-9
+
+
+def test_gpu_check_tiny_on_cpu(tmp_path: Path):
+    out = tmp_path / "gpu_check.json"
+    # One thread: on a shared 2-core machine two OpenMP threads mostly wait for each other.
+    proc = _run("gpu_check.py", "--device", "cpu", "--tiny", "--threads", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    sections = report["sections"]
+    expected = ["env", "matmul", "nccl", "loss_memory", "flex_vs_sdpa", "train_step", "pipeline"]
+    assert list(sections) == expected
+    assert report["failed"] == []
+    for name in expected:
+        assert sections[name]["status"] in ("ok", "warn"), (name, sections[name])
+    # The table comes last on stdout, one row per section.
+    table = proc.stdout[proc.stdout.index("section"):]
+    assert [line.split()[0] for line in table.splitlines()[2:2 + len(expected)]] == expected
+
+    assert sections["matmul"]["ceiling_tflops"] > 0
+    flex = sections["flex_vs_sdpa"]
+    assert flex["dropped_blocks"] > 0
+    assert flex["flex_vs_sdpa"]["hidden"] < gpu_check.FP32_REL_TOL
+    assert "no CPU backward" in flex["note"]
+    loss = sections["loss_memory"]
+    assert loss["grad_rel_err"] < gpu_check.FP32_REL_TOL
+    assert "peak_extra_gib" not in loss["chunked"]
+    nccl = sections["nccl"]
+    assert nccl["backend"] == "gloo" and nccl["correct"] is True
+    step = sections["train_step"]
+    assert step["attention"] == "sdpa"
+    assert step["step_s"] > 0 and step["tflops"] > 0 and step["mfu_vs_measured"] > 0
+    flops = step["flops_per_step"]
+    assert math.isclose(flops["total"], sum(v for k, v in flops.items() if k != "total"))
+    assert step["sequential"]["tokens"] == 3 * gpu_check.TINY.batch * gpu_check.TINY.seq_len
+    pipe = sections["pipeline"]
+    assert pipe["overlap_ratio"] > 0
+    assert _fraction(pipe["data_wait_frac"])
+    assert all(_fraction(v) for v in pipe["pipelined"]["busy"].values())
+    assert pipe["pipelined"]["tokens"] == step["sequential"]["tokens"]
+
+
+def test_step_flops_linear_terms_match_the_flop_counter():
+    """The analytic matmul count equals what torch counts in one real step (SDPA on CPU is
+    not counted by FlopCounterMode, so the attention terms are checked separately below)."""
+    geom = gpu_check.TINY
+    device = torch.device("cpu")
+    target = gpu_check.make_target(geom, device, torch.float32)
+    drafter = gpu_check.make_drafter(geom, target.config, device)
+    extractor = FeatureExtractor(target, drafter.target_layer_ids)
+    objective = DFlashObjective(drafter, extractor.embed_weight, extractor.head_weight, gamma=7.0,
+                                loss_chunk_size=1024)
+    data = gpu_check.SyntheticTokens(geom.batch, geom.seq_len, geom.vocab, seed=0)
+    input_ids = torch.stack([torch.from_numpy(data[i][0]).long() for i in range(geom.batch)])
+    loss_mask = torch.stack([torch.from_numpy(data[i][1]).bool() for i in range(geom.batch)])
+    seq_lens = torch.full((geom.batch,), geom.seq_len)
+    anchors, keep = sample_anchors(loss_mask, geom.num_anchors, geom.block_size,
+                                   torch.Generator().manual_seed(0), seq_lens=seq_lens)
+    assert bool(keep.all())
+    batch = {"input_ids": input_ids, "loss_mask": loss_mask, "seq_lens": seq_lens,
+             "anchors": anchors, "keep": keep}
+    counter = FlopCounterMode(display=False)
+    with counter:
+        features = extractor(input_ids, torch.ones_like(input_ids, dtype=torch.bool)).features
+        loss, _ = objective(batch, features, 0)
+        loss.backward()
+    counted = counter.get_flop_counts()["Global"]
+    flops = gpu_check.step_flops(geom, mean_anchor=float(anchors.float().mean()))
+    linear = flops["target_linear"] + flops["drafter_linear"] + flops["lm_head"]
+    assert sum(counted.values()) == linear
+
+    # Attention: the entries the dense mask allows, 2 matmuls forward, 4 backward.
+    allowed = float(dense_block_mask(anchors, keep, geom.seq_len, geom.block_size).sum())
+    q_dim = geom.heads * geom.head_dim
+    assert math.isclose(flops["drafter_attention"],
+                        3 * geom.drafter_layers * 2 * 2 * q_dim * allowed, rel_tol=1e-9)
+
+
+def test_pipeline_benchmark_tiny(tmp_path: Path):
+    target = make_tiny_target(tmp_path / "target", layers=2)
+    data = make_chat_jsonl(tmp_path / "chat.jsonl", num=24)
+    out = tmp_path / "pipeline.json"
+    proc = _run("pipeline.py", "--target", str(target), "--data", str(data), "--cache-dir",
+                str(tmp_path / "cache"), "--steps", "3", "--warmup", "1", "--threads", "1/1",
+                "--sequential-threads", "1", "--out", str(out), "--set",
+                "data.max_length=256", "data.heldout_samples=0", "data.max_samples=null",
+                "training.num_anchors=8", "pipeline.tokens_per_batch=512")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    seq, pipe = report["results"]
+    assert (seq["mode"], pipe["mode"]) == ("sequential", "pipelined")
+    # The same steps: the same plan positions, so the same tokens.
+    assert seq["tokens"] == pipe["tokens"] > 0
+    assert seq["tokens_per_s"] > 0 and pipe["tokens_per_s"] > 0
+    assert _fraction(pipe["data_wait_frac"])
+    assert set(pipe["busy"]) == {"prefetch", "target", "drafter"}
+    assert all(_fraction(v) for v in pipe["busy"].values())
+    assert set(seq["stage_s"]) == {"collate", "target", "drafter"}
+    summary = report["summary"]
+    assert summary["pipelined_vs_sequential"] == pipe["tokens_per_s"] / seq["tokens_per_s"]
+    assert summary["ideal_overlap_bound"] >= 1.0
+    assert "pipelined (1/1) / sequential (1)" in proc.stdout
+    assert "tok/s" in proc.stdout
