@@ -56,6 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pipeline import Parts, RunResult, run_pipelined, run_sequential  # noqa: E402
 
 from dflash_trainer.config import ModelConfig, PipelineConfig, TrainingConfig  # noqa: E402
+from dflash_trainer.flops import LayerDims, StepShape  # noqa: E402
+from dflash_trainer.flops import step_flops as model_step_flops  # noqa: E402
 from dflash_trainer.data.buckets import Plan, build_plan  # noqa: E402
 from dflash_trainer.distributed import DistInfo  # noqa: E402
 from dflash_trainer.model.blocks import flex_block_mask, sample_anchors, slot_weights  # noqa: E402
@@ -219,33 +221,17 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
 
 
 def step_flops(geom: Geometry, *, mean_anchor: float) -> dict[str, float]:
-    """Model FLOPs of one training step (matmuls only, no recomputation), per component.
-
-    Target: causal forward of all its layers (attention: half the S x S scores). Drafter:
-    forward + backward (backward = 2x forward) of the context K/V projections over the S
-    context tokens, the block-token projections and MLP over the N*B block tokens and the
-    attention entries the mask allows (each block sees ``anchor`` context keys and its own B
-    keys; ``mean_anchor`` is their expected position); ``fc`` gets only a weight gradient
-    (the features need none). LM head: logits and the hidden-state gradient over the N*(B-1)
-    supervised slots (the head is frozen). Dropped blocks count as real ones: they cost the same.
-    """
+    """Model FLOPs of one training step of ``geom`` (see :mod:`dflash_trainer.flops`)."""
     g = geom
-    s, q_tok = g.seq_len, g.num_anchors * g.block_size
-    q_dim, kv_dim = g.heads * g.head_dim, g.kv_heads * g.head_dim
-    proj = 2 * q_dim * g.hidden + 2 * kv_dim * g.hidden + 3 * g.hidden * g.intermediate
-    fc_fwd = 2 * s * len(g.layer_ids) * g.hidden * g.hidden
-    layer_fwd = (2 * q_tok * (2 * q_dim * g.hidden + 3 * g.hidden * g.intermediate)
-                 + 2 * (s + q_tok) * 2 * kv_dim * g.hidden)
-    per_row = {
-        "target_linear": g.target_layers * 2 * s * proj,
-        "target_attention": g.target_layers * 2 * s * s * q_dim,
-        "drafter_linear": 2 * fc_fwd + 3 * g.drafter_layers * layer_fwd,
-        "drafter_attention": 3 * g.drafter_layers * 4 * q_tok * (mean_anchor + g.block_size) * q_dim,
-        "lm_head": 4 * g.num_anchors * (g.block_size - 1) * g.hidden * g.vocab,
-    }
-    out = {k: float(v * g.batch) for k, v in per_row.items()}
-    out["total"] = sum(out.values())
-    return out
+    dims = LayerDims(hidden=g.hidden, intermediate=g.intermediate, heads=g.heads,
+                     kv_heads=g.kv_heads, head_dim=g.head_dim)
+    flops = model_step_flops(
+        target=dims, target_layers_run=g.target_layers, target_head=False, drafter=dims,
+        drafter_layers=g.drafter_layers, num_features=len(g.layer_ids), vocab=g.vocab,
+        shape=StepShape(rows=g.batch, seq_len=g.seq_len, num_anchors=g.num_anchors,
+                        block_size=g.block_size, mean_anchor=mean_anchor))
+    del flops["target_head"]
+    return flops
 
 
 def rate_text(flops_per_s: float) -> str:

@@ -267,7 +267,7 @@ def run_sequential(parts: Parts, *, steps: int, warmup: int,
         for i, (epoch, step) in enumerate(parts.positions(steps + warmup)):
             timed = i >= warmup
             began = time.perf_counter()
-            batch: Batch = collater._collate(parts.plan_for(epoch), step, i)
+            batch: Batch = collater.collate(parts.plan_for(epoch), step, i)
             if timed:
                 timer.add("collate", time.perf_counter() - began)  # host work on any device
             began = timer.start()

@@ -16,7 +16,8 @@ REQUIRED = ["train/loss", "train/acc", "train/acc_pos/1", "train/acc_pos/15", "t
             "data/bucket/0/dispatched", "data/seq_len_mean", "data/seq_len_max",
             "data/padding_efficiency", "data/max_same_bucket_run", "pipe/queue/batches",
             "pipe/queue/features", "pipe/prefetch/busy_frac", "pipe/target/busy_frac",
-            "perf/tokens_per_s", "perf/samples_per_s", "perf/data_wait_frac", "perf/step_time_s"]
+            "perf/tokens_per_s", "perf/samples_per_s", "perf/data_wait_frac", "perf/step_time_s",
+            "perf/tflops"]
 
 
 @pytest.fixture(scope="module")

@@ -142,7 +142,8 @@ class PipelineConfig:
     batch_queue_size: int = 4
     feature_queue_size: int = 2
     num_threads: int | None = None
-    """torch intra-op threads; default torch's own choice."""
+    """torch intra-op threads; default half the cores on CPU (the target stage and the drafter
+    loop run at the same time), torch's own choice on GPU."""
 
 
 @dataclass(kw_only=True)

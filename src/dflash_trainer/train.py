@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import math
 import random
 import signal
@@ -29,13 +30,14 @@ from dflash_trainer.checkpoint import (
     LATEST, Checkpointer, ResumeError, SaveRequest, load_state, resolve_resume, snapshot)
 from dflash_trainer.config import Config, config_to_dict, save_config
 from dflash_trainer.data.buckets import Plan, build_plan
+from dflash_trainer.flops import StepShape, layer_dims, step_flops
 from dflash_trainer.data.prepare import build_dataset
 from dflash_trainer.distributed import (
     DistInfo, check_distributed_options, close_distributed, full_model_state,
     full_optimizer_state, init_distributed, is_sharded, load_model_state, load_optimizer_state,
     reduce_metrics, target_load_device, wrap_drafter, wrap_target)
 from dflash_trainer.model.blocks import sample_anchors
-from dflash_trainer.model.drafter import build_drafter, init_from_target
+from dflash_trainer.model.drafter import build_drafter, init_from_target, text_config
 from dflash_trainer.model.export import export_drafter
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
 from dflash_trainer.model.objective import DFlashObjective
@@ -118,6 +120,10 @@ class Trainer:
                                   in_training_eval=bool(cfg.eval.every_steps))
         if cfg.pipeline.num_threads:
             torch.set_num_threads(cfg.pipeline.num_threads)
+        elif self.dist.device.type == "cpu":
+            # The target stage and the drafter loop compute at the same time; two intra-op
+            # pools of all cores oversubscribe them (2.9x slower measured on 2 cores).
+            torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
         self.device = self.dist.device
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
@@ -158,11 +164,12 @@ class Trainer:
         params = [p for p in self.objective.parameters() if p.requires_grad]
         optimizer = build_optimizer(params, cfg.training)
         schedule = LRSchedule(optimizer, total_steps=self.total_steps, cfg=cfg.training)
+        self._target_dims = layer_dims(text_config(self.target.config))
         self.loop = DrafterTrainLoop(
             objective=self.objective, parameters=params, optimizer=optimizer, schedule=schedule,
             cfg=cfg.training, dist_info=self.dist, block_size=self.drafter.block_size,
             autocast_dtype=torch.bfloat16 if self.compute_dtype == torch.bfloat16 else None,
-            flops_per_token=self._flops_per_token(), peak_flops=_peak_flops(self.device))
+            flops_fn=self._batch_flops, peak_flops=_peak_flops(self.device))
         self._snapshot_step: int | None = None
         """Optimizer step of the last snapshot this run took (same on every rank)."""
         self.best: dict[str, Any] | None = None
@@ -212,15 +219,21 @@ class Trainer:
         return build_plan(self.store.lengths, self.cfg.pipeline, seed=self.cfg.training.seed,
                           epoch=epoch, world_size=self.dist.world_size)
 
-    def _flops_per_token(self) -> float:
-        """Model FLOPs per sequence token: target forward + drafter fwd/bwd + LM head."""
-        target_params = sum(p.numel() for p in self.target.parameters())
-        drafter_params = sum(p.numel() for p in self.drafter.parameters())
-        hidden, vocab = self.extractor.head_weight.shape[1], self.extractor.head_weight.shape[0]
-        anchors_per_token = self.cfg.training.num_anchors * self.drafter.block_size / max(
-            1.0, float(np.mean(self.store.lengths)))
-        block_tokens = min(anchors_per_token, float(self.drafter.block_size))
-        return 2.0 * target_params + block_tokens * (6.0 * drafter_params + 4.0 * hidden * vocab)
+    def _batch_flops(self, batch: Batch) -> float:
+        """Model FLOPs of one micro-batch from its host-side shapes (no device sync)."""
+        rows, seq_len = batch.shape
+        layer_ids = self.drafter.target_layer_ids
+        needs_final = self.cfg.training.labels != "data"
+        shape = StepShape(rows=rows, seq_len=seq_len, num_anchors=batch.anchors.shape[1],
+                          block_size=self.drafter.block_size,
+                          mean_anchor=seq_len / 2)  # anchors are uniform over the sequence
+        return step_flops(
+            target=self._target_dims,
+            target_layers_run=(self.target.config.num_hidden_layers if needs_final
+                               else max(layer_ids) + 1),
+            target_head=needs_final, drafter=layer_dims(self.drafter.config),
+            drafter_layers=self.drafter.config.num_hidden_layers, num_features=len(layer_ids),
+            vocab=self.extractor.head_weight.shape[0], shape=shape)["total"]
 
     def _load_resume(self) -> dict[str, Any] | None:
         """Load and apply ``checkpoint.resume``; refuse a fresh run over earlier checkpoints."""

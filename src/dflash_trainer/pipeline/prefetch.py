@@ -149,7 +149,7 @@ class BatchPrefetcher(Stage):
         while (claim := self._claim()) is not None:
             index, plan, step = claim
             with self.busy():
-                batch = self._collate(plan, step, index)
+                batch = self.collate(plan, step, index)
             with self._cond:
                 self._done[index] = batch
                 self._cond.notify_all()
@@ -194,7 +194,7 @@ class BatchPrefetcher(Stage):
 
     # -- collate -------------------------------------------------------------------------
 
-    def _collate(self, plan: Plan, step_index: int, index: int) -> Batch:
+    def collate(self, plan: Plan, step_index: int, index: int) -> Batch:
         step = plan.steps[step_index]
         ids = step.batches[self.rank]
         rows = [self.dataset[int(i)] for i in ids]

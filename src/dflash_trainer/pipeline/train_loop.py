@@ -8,6 +8,7 @@ the periodic non-finite check, so the GPU queue never drains inside the hot path
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,7 +59,8 @@ class DrafterTrainLoop:
     def __init__(self, *, objective: torch.nn.Module, parameters: list[torch.nn.Parameter],
                  optimizer: torch.optim.Optimizer, schedule: LRSchedule, cfg: TrainingConfig,
                  dist_info: DistInfo, block_size: int, autocast_dtype: torch.dtype | None,
-                 flops_per_token: float = 0.0, peak_flops: float | None = None) -> None:
+                 flops_fn: Callable[[Batch], float] | None = None,
+                 peak_flops: float | None = None) -> None:
         self.objective = objective
         self.parameters = parameters
         self.optimizer = optimizer
@@ -67,7 +69,9 @@ class DrafterTrainLoop:
         self.dist = dist_info
         self.device = dist_info.device
         self.autocast_dtype = autocast_dtype
-        self.flops_per_token = flops_per_token
+        self.flops_fn = flops_fn
+        """Model FLOPs of one micro-batch (from host-side shapes: no device sync)."""
+        self._flops = 0.0
         self.peak_flops = peak_flops
         self.optimizer_step = 0
         """Optimizer steps taken (skipped non-finite steps included)."""
@@ -123,6 +127,8 @@ class DrafterTrainLoop:
                      / global_weight.clamp_min(1e-6))
             (local_loss * scale / self.cfg.grad_accum).backward()
         self._accumulate(m, batch)
+        if self.flops_fn is not None:
+            self._flops += self.flops_fn(batch)
         self.micro_step += 1
         self.last_plan_step = batch.step
         self.last_epoch = batch.epoch
@@ -227,8 +233,11 @@ class DrafterTrainLoop:
             metrics[f"train/acc_pos/{k}"] = c / n if n else 0.0
         if self.dist.enabled:
             metrics["perf/allreduce_wait_s"] = self._weight_reduce.collect() / steps
-        if self.peak_flops and self.flops_per_token:
-            metrics["perf/mfu"] = sums["tokens"] * self.flops_per_token / window / self.peak_flops
+        if self.flops_fn is not None:
+            metrics["perf/tflops"] = self._flops / window / 1e12
+            if self.peak_flops:
+                metrics["perf/mfu"] = self._flops / window / self.peak_flops
+        self._flops = 0.0
         for value in self._sums.values():
             value.zero_()
         self._slot_correct.zero_()
