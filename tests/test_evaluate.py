@@ -286,6 +286,7 @@ def test_eval_command_on_smollm2_mtbench(tmp_path):
     out = tmp_path / "run" / "eval"
     results = json.loads((out / "results.json").read_text())
     assert (out / "acceptance_hist.png").stat().st_size > 0
+    assert load_config(out / "config.yaml") == cfg  # the resolved config sits next to the output
     assert results["lossless"] is True and results["requests"] == 4 and results["prompts"] == 2
     assert 1.0 <= results["tau"] < 1.2
     assert len(results["acceptance_hist"]) == 16 and results["speedup"] > 0

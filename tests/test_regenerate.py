@@ -381,6 +381,7 @@ def test_cli_writes_messages_jsonl_that_prepare_reads(
     assert "temperature=0 top_p=1 top_k=off max_new_tokens=4" in err
     assert "regenerate: 2/2 (100.0%)" in err and "ETA" in err
     assert "written 2, skipped (already in output) 0, failed 0, rejected input 2" in err
+    assert (out.parent / "regen.config.yaml").is_file()
     rejected = {r["id"]: r["error"] for r in read_jsonl(failures_path_for(out))}
     assert set(rejected) == {f"{data}:3", f"{data}:4"}
     assert "pre-tokenized" in rejected[f"{data}:3"] and "malformed" in rejected[f"{data}:4"]

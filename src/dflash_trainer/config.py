@@ -402,11 +402,11 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
     return plain(dataclasses.asdict(cfg))
 
 
-def save_config(cfg: Config, directory: str | Path) -> Path:
-    """Write the resolved config as ``config.yaml`` into ``directory``."""
+def save_config(cfg: Config, directory: str | Path, name: str = "config.yaml") -> Path:
+    """Write the resolved config as ``name`` into ``directory``."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "config.yaml"
+    path = out / name
     path.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     return path
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_trainer.config import Config
+from dflash_trainer.config import Config, save_config
 from dflash_trainer.spec_decode import (Decoded, end_of_turn_ids, first_mismatch, speculative_generate,
                                         target_generate)
 
@@ -568,6 +568,7 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     report.summary.update(target=str(target_path), drafter=str(drafter_dir), prompts_source=cfg.eval.prompts,
                           wall_s=time.perf_counter() - started)
     json_path, png_path = write_results(report, out_dir)
+    save_config(cfg, out_dir)
     print_summary(report)
     print(f"eval: wrote {json_path} and {png_path}", flush=True)
     return 1 if report.failures else 0

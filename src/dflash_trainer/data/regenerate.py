@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from dflash_trainer.assets import AssetError
+from dflash_trainer.config import save_config
 from dflash_trainer.data.formats import (
     Conversation,
     DataError,
@@ -604,6 +605,8 @@ def main(cfg: Any, args: argparse.Namespace) -> int:
                 max_connections=args.concurrency)
         print(f"regenerate: {args.backend} backend, {backend.sampling.describe()}, "
               f"thinking={'on' if cfg.data.thinking else 'off'}", file=sys.stderr)
+        out = Path(args.out)
+        save_config(cfg, out.parent, name=f"{out.stem}.config.yaml")
         summary = regenerate(conversations, args.out, backend, batch_size=args.batch_size,
                              concurrency=args.concurrency, limit=args.limit)
     except (RegenerateError, GenerationError, DataError, AssetError) as exc:
