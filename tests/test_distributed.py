@@ -355,12 +355,12 @@ class UnionPrefetcher(BatchPrefetcher):
                        for r in range(WORLD)]
         self._two_rank: dict[int, Plan] = {}
 
-    def _collate(self, plan: Plan, step_index: int, index: int) -> Batch:
+    def collate(self, plan: Plan, step_index: int, index: int) -> Batch:
         if plan.epoch not in self._two_rank:
             self._two_rank[plan.epoch] = UnionTrainer.two_rank_plan(self.dataset.lengths,
                                                                     plan.epoch)
         two = self._two_rank[plan.epoch]
-        return stack_batches([p._collate(two, step_index, index) for p in self._ranks])
+        return stack_batches([p.collate(two, step_index, index) for p in self._ranks])
 
 
 def stack_batches(batches: list[Batch]) -> Batch:
