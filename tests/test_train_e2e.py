@@ -74,7 +74,8 @@ def test_train_end_to_end(tiny_setup, tmp_path: Path):
 def test_demo_command_end_to_end(tiny_setup, tmp_path: Path, capsys):
     target, data = tiny_setup
     run = tmp_path / "demo"
-    code = cli_main(["demo", *overrides(target, data, run, "training.epochs=1",
+    # bf16 training: the demo evaluates against a float32 copy of the target (exact lossless).
+    code = cli_main(["demo", *overrides(target, data, run, "training.epochs=1", "model.dtype=bfloat16",
                                         "eval.prompts=mtbench", "eval.in_training_prompts=2",
                                         "eval.max_new_tokens=12")])
     out = capsys.readouterr().out

@@ -16,9 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from dflash_trainer.assets import resolve_target
 from dflash_trainer.config import Config
 from dflash_trainer.data import prepare
 from dflash_trainer.evaluate import InTrainingEval, load_prompts
+from dflash_trainer.model.target import load_target
 from dflash_trainer.report import write_report
 from dflash_trainer.train import Trainer
 
@@ -43,8 +47,14 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
         num_prompts = len(load_prompts(cfg, limit=cfg.eval.in_training_prompts, first_turn_only=True))
         print(f"demo: evaluating the untrained drafter on {num_prompts} {cfg.eval.prompts} prompts "
               f"(max_new_tokens {cfg.eval.max_new_tokens})", flush=True)
-        evaluator = trainer.in_training_eval or InTrainingEval.from_config(
-            cfg, target=trainer.target, tokenizer=trainer.tokenizer)
+        eval_target = trainer.target
+        if trainer.compute_dtype != torch.float32:
+            # Exact token-for-token losslessness is a float32 property: in bf16 the batched
+            # verify forward and the one-token decode round differently and flip near-ties.
+            eval_target, _ = load_target(str(resolve_target(cfg.model.target)),
+                                         device=trainer.device, dtype=torch.float32)
+        evaluator = InTrainingEval.from_config(cfg, target=eval_target,
+                                               tokenizer=trainer.tokenizer)
         untrained = evaluator(trainer.drafter)
         trainer.trackers.log(untrained, 0)
         trainer.train()
