@@ -81,8 +81,9 @@ def test_step_flops_linear_terms_match_the_flop_counter():
     target = gpu_check.make_target(geom, device, torch.float32)
     drafter = gpu_check.make_drafter(geom, target.config, device)
     extractor = FeatureExtractor(target, drafter.target_layer_ids)
+    # attention="sdpa": FlopCounterMode does not count SDPA, so the linear terms stand alone.
     objective = DFlashObjective(drafter, extractor.embed_weight, extractor.head_weight, gamma=7.0,
-                                loss_chunk_size=1024)
+                                loss_chunk_size=1024, attention="sdpa")
     data = gpu_check.SyntheticTokens(geom.batch, geom.seq_len, geom.vocab, seed=0)
     input_ids = torch.stack([torch.from_numpy(data[i][0]).long() for i in range(geom.batch)])
     loss_mask = torch.stack([torch.from_numpy(data[i][1]).bool() for i in range(geom.batch)])

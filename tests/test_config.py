@@ -36,7 +36,7 @@ def test_yaml_and_overrides(tmp_path: Path):
     ("bogus.x=1", "unknown config key 'bogus'"),
     ("training.lr=abc", "training.lr: expected a number"),
     ("model.num_layers=1.5", "model.num_layers: expected an integer"),
-    ("model.attention=fast", "accepted values: 'auto', 'sdpa', 'flex'"),
+    ("model.attention=fast", "accepted values: 'auto', 'sdpa', 'blockwise', 'flex'"),
     ("training.betas=[0.9]", "training.betas: expected 2 values"),
     ("model.block_size=1", "model.block_size must be >= 2"),
     ("pipeline.tokens_per_batch=10", "pipeline.tokens_per_batch"),

@@ -233,12 +233,18 @@ def test_objective_refuses_flex_training_on_cpu_and_missing_labels():
         DFlashObjective(drafter, embed.requires_grad_(True), embed, gamma=None, loss_chunk_size=8)
 
 
-def test_kl_objective_distils_the_target_distribution_of_position_a_plus_k_minus_1():
+def seeded_drafter_and_head(*, block_size):
+    """A 1-layer drafter over a tiny Llama config, with random embedding and LM head (seed 0)."""
     torch.manual_seed(0)
     target = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, vocab_size=256)
-    drafter = build_drafter(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[0]), target, mask_token_id=3)
-    embed, head = torch.randn(256, 64), torch.randn(256, 64)
+    drafter = build_drafter(ModelConfig(num_layers=1, block_size=block_size, target_layer_ids=[0]), target,
+                            mask_token_id=3)
+    return drafter, torch.randn(256, 64), torch.randn(256, 64)
+
+
+def test_kl_objective_distils_the_target_distribution_of_position_a_plus_k_minus_1():
+    drafter, embed, head = seeded_drafter_and_head(block_size=4)
     seq = 16
     batch = {"input_ids": torch.randint(0, 256, (1, seq)), "loss_mask": torch.ones(1, seq, dtype=torch.bool),
              "seq_lens": torch.tensor([seq]), "anchors": torch.tensor([[2, 12]]),
@@ -275,3 +281,41 @@ def test_objective_under_bf16_autocast_with_a_bf16_target():
     loss.backward()
     assert torch.isfinite(loss) and drafter.fc.weight.grad.dtype == torch.float32
     assert torch.isfinite(drafter.fc.weight.grad).all() and drafter.fc.weight.grad.norm() > 0
+
+
+@pytest.mark.parametrize("labels", ["data", "kl"])
+def test_loss_slots_supervises_only_the_first_slots(labels):
+    drafter, embed, head = seeded_drafter_and_head(block_size=6)
+    seq = 40
+    ids = torch.randint(0, 256, (2, seq))
+    loss_mask = torch.ones_like(ids, dtype=torch.bool)
+    anchors, keep = sample_anchors(loss_mask, 5, 6, torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "seq_lens": torch.tensor([seq, seq]), "anchors": anchors,
+             "keep": keep, "final_hidden": torch.randn(2, seq, 64)}
+    features = torch.randn(2, seq, 64)
+
+    def run(loss_slots, gamma):
+        drafter.zero_grad()
+        objective = DFlashObjective(drafter, embed, head, gamma=gamma, loss_chunk_size=7, labels=labels,
+                                    loss_slots=loss_slots)
+        loss, metrics = objective(batch, features, 0)
+        loss.backward()
+        return loss, metrics, [p.grad.clone() for p in drafter.parameters()]
+
+    # gamma = 0.1 makes the weight of slots >= 3 negligible (exp(-20)), the same objective as
+    # supervising slots 1..2 only, up to that weight.
+    short_loss, short_metrics, short_grads = run(2, 0.1)
+    full_loss, _, full_grads = run(None, 0.1)
+    torch.testing.assert_close(short_loss, full_loss, rtol=1e-3, atol=1e-4)
+    for a, b in zip(short_grads, full_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    assert short_metrics["count_per_slot"].shape == (2,)
+    assert short_metrics["counted"].item() == 2 * int(keep.sum())
+    with pytest.raises(ValueError, match="loss_slots"):
+        DFlashObjective(drafter, embed, head, gamma=None, loss_chunk_size=7, loss_slots=6)
+
+
+def test_loss_slots_config_is_checked():
+    with pytest.raises(Exception, match="training.loss_slots"):
+        load_config(None, ["model.block_size=8", "training.loss_slots=8"])
+    assert load_config(None, ["model.block_size=8", "training.loss_slots=3"]).training.loss_slots == 3

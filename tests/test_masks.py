@@ -11,6 +11,7 @@ from transformers import LlamaConfig
 from dflash_trainer.config import ModelConfig
 from dflash_trainer.model.blocks import (build_block_inputs, dense_block_mask, flex_block_mask, position_ids)
 from dflash_trainer.model.drafter import build_drafter
+from dflash_trainer.model.modeling.dflash import BlockLayout
 
 H, V, BLOCK = 64, 256, 4
 
@@ -87,14 +88,19 @@ def block_hidden(drafter, ids, features, anchors, keep, embed, mask_fn=dense_blo
                        attention_mask=mask_fn(anchors, keep, seq, BLOCK))
 
 
-def test_no_leak_from_features_or_tokens_the_block_must_not_see():
+def blockwise_layout(anchors, keep, context_len, block):
+    return BlockLayout(anchors, keep, context_len, block)
+
+
+@pytest.mark.parametrize("mask_fn", [dense_block_mask, blockwise_layout], ids=["dense", "blockwise"])
+def test_no_leak_from_features_or_tokens_the_block_must_not_see(mask_fn):
     drafter = make_drafter()
     seq = 24
     ids = torch.randint(0, V, (1, seq))
     features = torch.randn(1, seq, 2 * H)
     embed = torch.randn(V, H)
     anchors, keep = torch.tensor([[4, 9, 15]]), torch.tensor([[True, True, True]])
-    base = block_hidden(drafter, ids, features, anchors, keep, embed)
+    base = block_hidden(drafter, ids, features, anchors, keep, embed, mask_fn)
     for j, a in enumerate(anchors[0].tolist()):
         rows = slice(j * BLOCK, (j + 1) * BLOCK)
         later_features = features.clone()
@@ -102,12 +108,12 @@ def test_no_leak_from_features_or_tokens_the_block_must_not_see():
         later_tokens = ids.clone()
         later_tokens[:, a + 1:] = torch.randint(0, V, (1, seq - a - 1))  # other blocks' anchor tokens move
         for f, t in ((later_features, ids), (features, later_tokens)):
-            torch.testing.assert_close(block_hidden(drafter, t, f, anchors, keep, embed)[:, rows], base[:, rows],
-                                       atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(block_hidden(drafter, t, f, anchors, keep, embed, mask_fn)[:, rows],
+                                       base[:, rows], atol=1e-6, rtol=1e-6)
         # Sanity (the test can fail): the feature just before the anchor does matter.
         earlier = features.clone()
         earlier[:, a - 1] += 1.0
-        assert not torch.allclose(block_hidden(drafter, ids, earlier, anchors, keep, embed)[:, rows],
+        assert not torch.allclose(block_hidden(drafter, ids, earlier, anchors, keep, embed, mask_fn)[:, rows],
                                   base[:, rows], atol=1e-4)
 
 
@@ -156,3 +162,27 @@ def test_non_bool_dense_masks_are_refused():
     with pytest.raises(TypeError, match="must be bool"):
         drafter(torch.arange(8 + BLOCK)[None], torch.randn(1, BLOCK, H), torch.randn(1, 8, 2 * H),
                 attention_mask=mask)
+
+
+@settings(max_examples=25, deadline=None)
+@given(layouts())
+def test_blockwise_attention_equals_the_dense_mask_forward_and_backward(layout):
+    anchors, keep, context_len = (torch.tensor(layout[0]), torch.tensor(layout[1]), layout[2])
+    drafter = make_drafter()
+    batch = anchors.shape[0]
+    ids = torch.randint(0, V, (batch, context_len))
+    embed = torch.randn(V, H)
+    features = torch.randn(batch, context_len, 2 * H)
+    noise, block_pos = build_block_inputs(ids, anchors, keep, 5, BLOCK)
+    outputs, grads = [], []
+    for mask in (dense_block_mask(anchors, keep, context_len, BLOCK),
+                 BlockLayout(anchors, keep, context_len, BLOCK)):
+        drafter.zero_grad()
+        out = drafter(position_ids(block_pos, context_len), embed[noise], features, attention_mask=mask)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        outputs.append(out.detach())
+        grads.append([p.grad.clone() for p in drafter.parameters()])
+    assert torch.isfinite(outputs[1]).all()
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+    for blockwise, dense in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(blockwise, dense, atol=1e-5, rtol=1e-4)

@@ -42,6 +42,14 @@ def test_warmup_then_cosine_to_zero():
     assert all(a >= b for a, b in zip(lrs[40:], lrs[41:]))
 
 
+def test_warmup_steps_replace_the_ratio():
+    cfg = load_config(None, ["training.warmup_steps=10", "training.schedule=constant", "training.lr=3e-3"]).training
+    lrs = [lr_at(s, total_steps=10**6, cfg=cfg) for s in range(12)]
+    assert lrs[0] == pytest.approx(3e-4) and lrs[9] == pytest.approx(3e-3) and lrs[11] == pytest.approx(3e-3)
+    none = load_config(None, ["training.warmup_steps=0"]).training
+    assert lr_at(0, total_steps=100, cfg=none) == pytest.approx(none.lr)
+
+
 def test_schedule_state_round_trip():
     cfg = load_config().training
     opt = build_optimizer(torch.nn.Linear(2, 2).parameters(), cfg)

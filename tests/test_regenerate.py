@@ -78,6 +78,19 @@ def greedy_answer(backend: TransformersBackend, messages: list[dict[str, str]]) 
 
 # --- pure logic -------------------------------------------------------------------------------
 
+def test_max_turns_answers_only_the_first_turns() -> None:
+    job = ConversationJob("x", CONVERSATIONS[1][1], max_turns=1)
+    assert job.dropped_turns == 1
+    job.answer("Blue.")
+    assert job.done and [m["role"] for m in job.record()["messages"]] == ["system", "user", "assistant"]
+    # A trailing user turn counts as a turn to answer.
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "c"}]
+    capped = ConversationJob("t", messages, max_turns=1)
+    assert capped.dropped_turns == 1 and capped.prompt() == messages[:1]
+    assert ConversationJob("u", messages, max_turns=2).dropped_turns == 0
+
+
 def test_conversation_job_walks_turns_and_rejects_unanswerable_turns() -> None:
     job = ConversationJob("x", CONVERSATIONS[1][1])
     assert job.prompt() == CONVERSATIONS[1][1][:2]
@@ -91,9 +104,13 @@ def test_conversation_job_walks_turns_and_rejects_unanswerable_turns() -> None:
     # A trailing user turn is answered too.
     trailing = ConversationJob("y", CONVERSATIONS[2][1])
     assert not trailing.done
-    with pytest.raises(GenerationError, match="message 0 does not follow a user turn"):
-        ConversationJob("z", [{"role": "assistant", "content": "hi"},
-                              {"role": "user", "content": "hello"}])
+    # An assistant opening answers no prompt: dropped and counted, as prepare does.
+    opening = ConversationJob("z", [{"role": "assistant", "content": "hi"},
+                                    {"role": "user", "content": "hello"}])
+    assert opening.trimmed_leading == 1 and opening.prompt() == [{"role": "user", "content": "hello"}]
+    with pytest.raises(GenerationError, match="message 2 does not follow a user turn"):
+        ConversationJob("v", [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                              {"role": "assistant", "content": "c"}])
     with pytest.raises(GenerationError, match="no user turn"):
         ConversationJob("w", [{"role": "system", "content": "s"}])
 
@@ -201,8 +218,8 @@ def test_failures_are_listed_and_retried(local_backend: TransformersBackend,
                                          tmp_path: Path) -> None:
     out = tmp_path / "regen.jsonl"
     too_long = ("long:1", [{"role": "user", "content": "word " * 9000}])
-    unanswerable = ("bad:1", [{"role": "assistant", "content": "hi"},
-                              {"role": "user", "content": "hello"}])
+    unanswerable = ("bad:1", [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
+                              {"role": "assistant", "content": "b"}])
     summary = regenerate([CONVERSATIONS[0], too_long, unanswerable], out, local_backend,
                          progress=False)
     assert (summary.written, summary.failed) == (1, 2)
@@ -414,3 +431,13 @@ def test_cli_openai_backend(chat_server: ChatServer, tmp_path: Path) -> None:
     # No sampling flags: the request leaves them to the server (its generation config).
     assert all("temperature" not in r and "top_p" not in r and "top_k" not in r
                and r["model"] == "smollm2" for r in chat_server.requests)
+
+
+def test_regenerate_with_max_turns_counts_the_dropped_turns(local_backend: TransformersBackend,
+                                                            tmp_path: Path) -> None:
+    out = tmp_path / "first-turns.jsonl"
+    summary = regenerate(CONVERSATIONS, out, local_backend, max_turns=1, progress=False)
+    assert (summary.written, summary.turns, summary.dropped_turns) == (3, 3, 1)
+    assert "1 turns past --max-turns" in summary.describe()
+    for record in read_jsonl(out):
+        assert [m["role"] for m in record["messages"]].count("assistant") == 1

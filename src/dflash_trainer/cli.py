@@ -70,7 +70,9 @@ COMMANDS: dict[str, Command] = {
                ("--temperature", {"type": float, "default": None}),
                ("--top-p", {"type": float, "default": None}),
                ("--top-k", {"type": int, "default": None}),
-               ("--limit", {"type": int, "default": None, "help": "at most N conversations"})],
+               ("--limit", {"type": int, "default": None, "help": "at most N conversations"}),
+               ("--max-turns", {"type": int, "default": None,
+                                "help": "answer only the first N assistant turns of each conversation"})],
     ),
     "demo": Command(
         handler="dflash_trainer.demo:main",

@@ -76,8 +76,10 @@ class ModelConfig:
     """Drafter key/value heads; default the target's."""
     head_dim: int | None = None
     """Drafter head dimension; default the target's."""
-    attention: Literal["auto", "sdpa", "flex"] = "auto"
-    """Training attention: ``auto`` is flex on CUDA and SDPA with a dense mask elsewhere."""
+    attention: Literal["auto", "sdpa", "blockwise", "flex"] = "auto"
+    """Training attention: ``flex`` (FlexAttention BlockMask, CUDA), ``blockwise`` (each block
+    scores only the context and its own keys, no dense mask), ``sdpa`` (SDPA with a dense
+    ``[Q, context + Q]`` mask). ``auto`` is flex on CUDA and blockwise elsewhere."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Compute dtype: ``auto`` is bf16 autocast on CUDA, float32 on CPU."""
     init_from_target: bool = False
@@ -100,6 +102,9 @@ class TrainingConfig:
     weight_decay: float = 0.0
     warmup_ratio: float = 0.04
     """Linear warmup over this fraction of optimizer steps."""
+    warmup_steps: int | None = None
+    """Linear warmup over this many optimizer steps (replaces ``warmup_ratio``): for runs
+    bounded by ``max_time_s``, whose planned step count says nothing about their length."""
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     """Decay after warmup, down to ``min_lr``."""
     min_lr: float = 0.0
@@ -111,6 +116,10 @@ class TrainingConfig:
     """Random anchors (blocks) per sequence per step."""
     gamma: float | None = None
     """Loss decay over block slots, w_k = exp(-(k-1)/gamma); default 7/5/4 for B = 16/10/8."""
+    loss_slots: int | None = None
+    """Supervise only block slots 1..K (None: all ``block_size - 1``). Inference still drafts
+    the whole block; the frozen LM head over every slot is most of a CPU step, and at small
+    budgets the acceptance length comes from the first slots."""
     labels: Literal["data", "target_greedy", "kl"] = "data"
     """``data``: dataset tokens (reference); ``target_greedy``: the target's argmax at each
     position; ``kl``: distil the target's distribution."""
@@ -230,6 +239,8 @@ def validate(cfg: Config) -> None:
          "data.max_length must be larger than model.block_size"),
         (cfg.training.lr > 0, "training.lr must be > 0"),
         (0 <= cfg.training.warmup_ratio < 1, "training.warmup_ratio must be in [0, 1)"),
+        (cfg.training.warmup_steps is None or cfg.training.warmup_steps >= 0,
+         "training.warmup_steps must be >= 0"),
         (cfg.training.min_lr <= cfg.training.lr, "training.min_lr must be <= training.lr"),
         (cfg.training.grad_clip > 0, "training.grad_clip must be > 0"),
         (cfg.training.grad_accum >= 1, "training.grad_accum must be >= 1"),
@@ -239,6 +250,9 @@ def validate(cfg: Config) -> None:
         (cfg.training.noise_std >= 0, "training.noise_std must be >= 0"),
         (cfg.training.noise_warmup_steps >= 0, "training.noise_warmup_steps must be >= 0"),
         (cfg.training.loss_chunk_size >= 1, "training.loss_chunk_size must be >= 1"),
+        (cfg.training.loss_slots is None or 1 <= cfg.training.loss_slots < cfg.model.block_size,
+         f"training.loss_slots must be between 1 and model.block_size - 1 ({cfg.model.block_size - 1}), "
+         f"got {cfg.training.loss_slots}"),
         (cfg.pipeline.num_buckets >= 1, "pipeline.num_buckets must be >= 1"),
         (cfg.pipeline.max_run >= 1, "pipeline.max_run must be >= 1"),
         (cfg.pipeline.prefetch_workers >= 1, "pipeline.prefetch_workers must be >= 1"),

@@ -6,8 +6,8 @@ need the target's logits. Drafter: forward + backward (backward = 2x forward) of
 K/V projections over the S context tokens, the block-token projections and MLP over the N*B
 block tokens, and the attention entries the mask allows (each block sees ``anchor`` context
 keys and its own B keys); ``fc`` gets only a weight gradient (the features need none). LM
-head: logits and the hidden-state gradient over the N*(B-1) supervised slots (the head is
-frozen). Dropped blocks count as real ones: they cost the same.
+head: logits and the hidden-state gradient over the N*K supervised slots (the head is
+frozen; K = B-1 or ``training.loss_slots``), plus the target's logits of those slots for KL labels. Dropped blocks count as real ones: they cost the same.
 """
 
 from __future__ import annotations
@@ -43,6 +43,10 @@ class StepShape:
     block_size: int
     mean_anchor: float
     """Expected anchor position (context keys each block attends to)."""
+    supervised_slots: int | None = None
+    """Slots per block under the LM head (``training.loss_slots``); None: ``block_size - 1``."""
+    soft_labels: bool = False
+    """KL labels: the head also maps the target's hidden state of every supervised slot."""
 
 
 def step_flops(*, target: LayerDims, target_layers_run: int, target_head: bool,
@@ -62,7 +66,8 @@ def step_flops(*, target: LayerDims, target_layers_run: int, target_head: bool,
         "drafter_linear": 2 * fc_fwd + 3 * drafter_layers * layer_fwd,
         "drafter_attention": (3 * drafter_layers * 4 * q_tok
                               * (shape.mean_anchor + shape.block_size) * d_q_dim),
-        "lm_head": 4 * shape.num_anchors * (shape.block_size - 1) * drafter.hidden * vocab,
+        "lm_head": ((6 if shape.soft_labels else 4) * shape.num_anchors
+                    * (shape.supervised_slots or shape.block_size - 1) * drafter.hidden * vocab),
     }
     out = {k: float(v * shape.rows) for k, v in per_row.items()}
     out["total"] = sum(out.values())

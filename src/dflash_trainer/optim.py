@@ -23,7 +23,10 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainingConfig) -
 
 def lr_at(step: int, *, total_steps: int, cfg: TrainingConfig) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup, then decay to min_lr."""
-    warmup = max(1, math.ceil(cfg.warmup_ratio * total_steps)) if cfg.warmup_ratio > 0 else 0
+    if cfg.warmup_steps is not None:
+        warmup = cfg.warmup_steps
+    else:
+        warmup = max(1, math.ceil(cfg.warmup_ratio * total_steps)) if cfg.warmup_ratio > 0 else 0
     if step < warmup:
         return cfg.lr * (step + 1) / warmup
     if cfg.schedule == "constant":

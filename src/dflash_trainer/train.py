@@ -226,7 +226,9 @@ class Trainer:
         needs_final = self.cfg.training.labels != "data"
         shape = StepShape(rows=rows, seq_len=seq_len, num_anchors=batch.anchors.shape[1],
                           block_size=self.drafter.block_size,
-                          mean_anchor=seq_len / 2)  # anchors are uniform over the sequence
+                          mean_anchor=seq_len / 2,  # anchors are uniform over the sequence
+                          supervised_slots=self.cfg.training.loss_slots,
+                          soft_labels=self.cfg.training.labels == "kl")
         return step_flops(
             target=self._target_dims,
             target_layers_run=(self.target.config.num_hidden_layers if needs_final

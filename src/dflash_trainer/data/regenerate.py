@@ -68,26 +68,45 @@ class ConversationJob:
     """One conversation being regenerated: the prompt of its next turn and its output so far.
 
     System and user messages are copied; every assistant turn is replaced by a generated
-    answer, and a conversation that ends on a user turn gets one more answer. An assistant turn
-    that does not directly follow a user turn is an error (checked up front): there is no
-    prompt the target could have answered.
+    answer, and a conversation that ends on a user turn gets one more answer. Assistant
+    messages before the first user turn are dropped (``trimmed_leading``); any other assistant
+    turn that does not directly follow a user turn is an error (checked up front): there is no
+    prompt the target could have answered. ``max_turns`` answers only the first N turns.
     """
 
-    def __init__(self, conversation_id: str, messages: Sequence[Message]) -> None:
+    def __init__(self, conversation_id: str, messages: Sequence[Message], *,
+                 max_turns: int | None = None) -> None:
         self.id = conversation_id
-        self._source = list(messages)
+        source = list(messages)
+        first_user = next((i for i, m in enumerate(source) if m["role"] == "user"), None)
+        if first_user is None:
+            raise GenerationError("conversation has no user turn")
+        # As in prepare: an assistant opening (a greeting before any user turn) answers no
+        # prompt, so it is dropped (and counted) rather than failing the conversation.
+        self.trimmed_leading = sum(m["role"] == "assistant" for m in source[:first_user])
+        source = [m for i, m in enumerate(source) if i >= first_user or m["role"] != "assistant"]
+        for i, message in enumerate(source):
+            if message["role"] == "assistant" and source[i - 1]["role"] != "user":
+                raise GenerationError(f"assistant turn at message {i} does not follow a user "
+                                      f"turn; there is no prompt to answer")
+        self.dropped_turns = 0
+        """Assistant turns past ``max_turns`` (with the messages after them) not regenerated."""
+        if max_turns is not None:
+            answers = [i for i, m in enumerate(source) if m["role"] == "assistant"]
+            total = len(answers) + (source[-1]["role"] == "user")  # a trailing user turn is answered too
+            if total > max_turns:
+                self.dropped_turns = total - max_turns
+                source = source[:answers[max_turns]] if len(answers) > max_turns else source
+                # The kept part ends on an answered turn, not on the next user message.
+                while source[-1]["role"] != "assistant":
+                    source.pop()
+        self._source = source
         self._next = 0
         self.messages: list[Message] = []
         self.pending = False
         self.turns = 0
         self.prompt_ids: list[int] | None = None
         """The encoded prompt, kept by the batched scheduler."""
-        if not any(m["role"] == "user" for m in self._source):
-            raise GenerationError("conversation has no user turn")
-        for i, message in enumerate(self._source):
-            if message["role"] == "assistant" and (i == 0 or self._source[i - 1]["role"] != "user"):
-                raise GenerationError(f"assistant turn at message {i} does not follow a user "
-                                      f"turn; there is no prompt to answer")
         self._advance()
 
     @property
@@ -259,6 +278,10 @@ class RegenerateSummary:
     rejected_input: int = 0
     """Input records that cannot be regenerated (malformed, empty, pre-tokenized, duplicate)."""
     turns: int = 0
+    trimmed_leading: int = 0
+    """Assistant messages before the first user turn, dropped (they answer no prompt)."""
+    dropped_turns: int = 0
+    """Assistant turns past ``max_turns``, dropped with the messages after them."""
     truncated_turns: int = 0
     """Answers cut off at ``max_new_tokens`` (written, but worth a larger limit)."""
     generated_tokens: int = 0
@@ -276,6 +299,9 @@ class RegenerateSummary:
                  f"{self.rejected_input} -> {self.out}",
                  f"  {self.turns} turns ({self.truncated_turns} cut at max_new_tokens), "
                  f"{self.generated_tokens} tokens in {_hms(self.elapsed_s)}"]
+        if self.trimmed_leading or self.dropped_turns:
+            lines.append(f"  dropped: {self.trimmed_leading} assistant messages before the first user "
+                         f"turn, {self.dropped_turns} turns past --max-turns")
         if self.failures_path:
             lines.append(f"  failures listed in {self.failures_path}; rerun to retry them")
         if self.interrupted:
@@ -287,7 +313,8 @@ class _Run:
     """Output, failures file, counters and progress shared by both schedulers."""
 
     def __init__(self, out: Path, total: int, summary: RegenerateSummary, *, progress: bool,
-                 max_consecutive_failures: int) -> None:
+                 max_consecutive_failures: int, max_turns: int | None = None) -> None:
+        self.max_turns = max_turns
         self.writer = JsonlAppender(out)
         self.failures_path = failures_path_for(out)
         self.failures: JsonlAppender | None = None
@@ -342,10 +369,13 @@ class _Run:
 def _start(run: _Run, conversation: SourceConversation) -> ConversationJob | None:
     conversation_id, messages = conversation
     try:
-        return ConversationJob(conversation_id, messages)
+        job = ConversationJob(conversation_id, messages, max_turns=run.max_turns)
     except GenerationError as exc:
         run.failed(conversation_id, exc)
         return None
+    run.summary.trimmed_leading += job.trimmed_leading
+    run.summary.dropped_turns += job.dropped_turns
+    return job
 
 
 def _run_batched(backend: TransformersBackend, conversations: Iterator[SourceConversation],
@@ -478,8 +508,8 @@ def _run_concurrent(backend: OpenAIBackend, conversations: Iterator[SourceConver
 
 def regenerate(conversations: Iterable[SourceConversation | RejectedInput], out: str | Path,
                backend: TransformersBackend | OpenAIBackend, *, batch_size: int = 8,
-               concurrency: int = 8, limit: int | None = None, progress: bool = True,
-               max_consecutive_failures: int = 32) -> RegenerateSummary:
+               concurrency: int = 8, limit: int | None = None, max_turns: int | None = None,
+               progress: bool = True, max_consecutive_failures: int = 32) -> RegenerateSummary:
     """Regenerate the assistant turns of ``conversations`` into the JSONL file ``out``.
 
     Ctrl-C stops the run cleanly: the summary comes back with ``interrupted`` set.
@@ -488,7 +518,9 @@ def regenerate(conversations: Iterable[SourceConversation | RejectedInput], out:
     with the same arguments is a no-op. Ids already in ``out`` are skipped. Failed
     conversations and rejected input records are listed in :func:`failures_path_for` ``(out)``,
     which each run rewrites. Stops with :class:`RegenerateError` after
-    ``max_consecutive_failures`` generation failures in a row.
+    ``max_consecutive_failures`` generation failures in a row. ``max_turns`` regenerates only
+    the first N assistant turns of each conversation (first turns are most of the tokens a
+    drafter trains on per generated token; later turns re-encode the whole history).
     """
     start = time.monotonic()
     out = Path(out)
@@ -515,7 +547,7 @@ def regenerate(conversations: Iterable[SourceConversation | RejectedInput], out:
             seen.add(item[0])
             todo.append(item)
     run = _Run(out, len(todo), summary, progress=progress,
-               max_consecutive_failures=max_consecutive_failures)
+               max_consecutive_failures=max_consecutive_failures, max_turns=max_turns)
     try:
         for item in rejected:
             run.rejected(item)
@@ -572,6 +604,7 @@ def _check_args(args: argparse.Namespace) -> str | None:
         (args.top_p is None or 0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
         (args.top_k is None or args.top_k >= 0, "--top-k must be >= 0 (0 disables it)"),
         (args.limit is None or args.limit >= 1, "--limit must be >= 1"),
+        (args.max_turns is None or args.max_turns >= 1, "--max-turns must be >= 1"),
     ]
     return next((message for ok, message in checks if not ok), None)
 
@@ -608,7 +641,8 @@ def main(cfg: Any, args: argparse.Namespace) -> int:
         out = Path(args.out)
         save_config(cfg, out.parent, name=f"{out.stem}.config.yaml")
         summary = regenerate(conversations, args.out, backend, batch_size=args.batch_size,
-                             concurrency=args.concurrency, limit=args.limit)
+                             concurrency=args.concurrency, limit=args.limit,
+                             max_turns=args.max_turns)
     except (RegenerateError, GenerationError, DataError, AssetError) as exc:
         print(f"dflash-trainer regenerate: {exc}", file=sys.stderr)
         return 1

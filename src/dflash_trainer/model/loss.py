@@ -111,25 +111,28 @@ def reference_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels:
 def dflash_loss(block_hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
                 weights: torch.Tensor, keep: torch.Tensor, *, chunk_size: int,
                 soft_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Decay-weighted loss over block slots 1..B-1 and the metrics of the same pass.
+    """Decay-weighted loss over block slots 1..K (K <= B-1) and the metrics of the same pass.
 
     Args:
         block_hidden: ``[B, N*Bk, H]`` drafter output for N blocks of Bk slots.
         head_weight: frozen target LM head ``[V, H]``.
-        labels, weights: ``[B, N, Bk-1]`` from :func:`~dflash_trainer.model.blocks.labels_and_weights`.
+        labels, weights: ``[B, N, K]`` for slots 1..K, from
+            :func:`~dflash_trainer.model.blocks.labels_and_weights` (K = Bk-1, or fewer to
+            supervise only the first slots: the LM head then runs on those slots only).
         keep: ``[B, N]`` real (True) or padding blocks.
         chunk_size: slots per LM-head chunk.
-        soft_hidden: ``[B, N, Bk-1, H]`` target final hidden states at positions ``a + k - 1``
+        soft_hidden: ``[B, N, K, H]`` target final hidden states at positions ``a + k - 1``
             for KL distillation; None for hard labels.
 
     Returns:
         ``loss = sum(w * loss) / sum(w)`` and on-device metrics (no host sync): ``weight_sum``,
         ``weighted_loss_sum``, ``correct``, ``counted`` (supervised slots), ``correct_per_slot``
-        and ``count_per_slot`` ``[Bk-1]``, ``accept_sum`` (sum over kept blocks of 1 + number of
+        and ``count_per_slot`` ``[K]``, ``accept_sum`` (sum over kept blocks of 1 + number of
         leading correct supervised slots) and ``blocks`` (kept blocks).
     """
     batch, num, slots = labels.shape
-    hidden = block_hidden.view(batch, num, slots + 1, -1)[:, :, 1:].reshape(batch * num * slots, -1)
+    block = block_hidden.shape[1] // num
+    hidden = block_hidden.view(batch, num, block, -1)[:, :, 1:slots + 1].reshape(batch * num * slots, -1)
     soft = None if soft_hidden is None else soft_hidden.reshape(batch * num * slots, -1)
     total, correct = chunked_head_loss(hidden, head_weight, labels.reshape(-1), weights.reshape(-1),
                                        chunk_size, soft)

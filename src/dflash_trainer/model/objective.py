@@ -7,7 +7,7 @@ head. The trainer calls ``objective(batch, features, step)`` and backpropagates 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from dflash_trainer.config import Config, default_gamma
 from dflash_trainer.model.blocks import (build_block_inputs, dense_block_mask, flex_block_mask,
                                          labels_and_weights, position_ids)
 from dflash_trainer.model.loss import dflash_loss
-from dflash_trainer.model.modeling.dflash import DFlashDraftModel
+from dflash_trainer.model.modeling.dflash import BlockLayout, DFlashDraftModel
 
 __all__ = ["DFlashObjective", "noise_scale"]
 
@@ -39,9 +39,9 @@ class DFlashObjective(nn.Module):
     """
 
     def __init__(self, drafter: DFlashDraftModel, embed_weight: torch.Tensor, head_weight: torch.Tensor, *,
-                 gamma: float | None, loss_chunk_size: int,
+                 gamma: float | None, loss_chunk_size: int, loss_slots: int | None = None,
                  labels: Literal["data", "target_greedy", "kl"] = "data",
-                 attention: Literal["auto", "sdpa", "flex"] = "auto",
+                 attention: Literal["auto", "sdpa", "blockwise", "flex"] = "auto",
                  noise_std: float = 0.0, noise_warmup_steps: int = 0) -> None:
         super().__init__()
         if embed_weight.requires_grad or head_weight.requires_grad:
@@ -55,6 +55,9 @@ class DFlashObjective(nn.Module):
         self.mask_token_id = int(drafter.mask_token_id)
         self.gamma = gamma
         self.loss_chunk_size = loss_chunk_size
+        if loss_slots is not None and not 1 <= loss_slots < self.block_size:
+            raise ValueError(f"loss_slots must be in 1..{self.block_size - 1}, got {loss_slots}")
+        self.loss_slots = loss_slots or self.block_size - 1
         self.labels = labels
         self.attention = attention
         self.noise_std = noise_std
@@ -67,6 +70,7 @@ class DFlashObjective(nn.Module):
         t = cfg.training
         gamma = t.gamma if t.gamma is not None else default_gamma(drafter.block_size)
         return cls(drafter, embed_weight, head_weight, gamma=gamma, loss_chunk_size=t.loss_chunk_size,
+                   loss_slots=t.loss_slots,
                    labels=t.labels, attention=cfg.model.attention, noise_std=t.noise_std,
                    noise_warmup_steps=t.noise_warmup_steps)
 
@@ -107,10 +111,15 @@ class DFlashObjective(nn.Module):
             label_ids = _required(batch, "target_labels")
         noise_ids, block_positions = build_block_inputs(input_ids, anchors, keep, self.mask_token_id, block)
         labels, weights = labels_and_weights(label_ids, loss_mask, anchors, keep, block, self.gamma, seq_lens)
+        slots = self.loss_slots
+        labels, weights = labels[:, :, :slots], weights[:, :, :slots]
+        mask: Any
         if self._use_flex(features.device):
             mask = flex_block_mask(anchors, keep, context_len, block)
-        else:
+        elif self.attention == "sdpa":
             mask = dense_block_mask(anchors, keep, context_len, block)
+        else:
+            mask = BlockLayout(anchors, keep, context_len, block)
         dtype = self.drafter.fc.weight.dtype
         context = features.to(dtype)
         scale = self.noise_scale(step)
@@ -123,7 +132,7 @@ class DFlashObjective(nn.Module):
         if self.labels == "kl":
             final_hidden = _required(batch, "final_hidden")
             # The target's distribution for slot k (position a + k) comes from position a + k - 1.
-            prev = (anchors[:, :, None] + torch.arange(block - 1, device=anchors.device)).flatten(1)
+            prev = (anchors[:, :, None] + torch.arange(slots, device=anchors.device)).flatten(1)
             soft_hidden = final_hidden.gather(1, prev[..., None].expand(-1, -1, final_hidden.shape[-1]))
             soft_hidden = soft_hidden.view(*labels.shape, -1)
         loss, metrics = dflash_loss(hidden, self.head_weight, labels, weights, keep,

@@ -80,7 +80,7 @@ class DrafterTrainLoop:
         """Plan index (within the epoch) of the last micro-batch trained."""
         self.last_epoch = 0
         self.total_skipped = 0
-        slots = block_size - 1
+        slots = cfg.loss_slots or block_size - 1
         zeros = lambda *shape: torch.zeros(*shape, device=self.device, dtype=torch.float64)  # noqa: E731
         self._sums = {name: zeros(()) for name in (
             "wce", "weight", "correct", "count", "tau", "blocks", "grad_norm", "skipped",

@@ -23,6 +23,7 @@ Two forward modes share one code path:
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -101,9 +102,51 @@ def _eager(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     return torch.matmul(probs, value)
 
 
+@dataclass(frozen=True)
+class BlockLayout:
+    """The training visibility rule in factored form, for attention without a dense mask.
+
+    Keys are ``[context (context_len) | block_0 | ... | block_{N-1}]`` and queries the blocks:
+    block j sees context keys ``< anchors[b, j]`` and its own ``block_size`` keys; a block
+    with ``keep`` False contributes a zero attention output. Equal to the dense mask of
+    ``dflash_trainer.model.blocks.dense_block_mask`` but costs ``Q x (context_len + block_size)``
+    scores instead of ``Q x (context_len + Q)``: most of a dense mask is other blocks' keys.
+    """
+
+    anchors: torch.Tensor
+    keep: torch.Tensor
+    context_len: int
+    block_size: int
+
+
+def _blockwise(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: BlockLayout,
+               scale: float) -> torch.Tensor:
+    batch, heads, q_len, dim = query.shape
+    kv_heads, ctx, size = key.shape[1], layout.context_len, layout.block_size
+    groups, num = heads // kv_heads, q_len // size
+    # GQA without repeating K/V: query head h uses K/V head h // groups.
+    q = query.reshape(batch, kv_heads, groups * q_len, dim)
+    ctx_scores = torch.matmul(q, key[:, :, :ctx].transpose(-1, -2)).view(batch, kv_heads, groups, num, size, ctx)
+    q_blocks = query.view(batch, kv_heads, groups, num, size, dim)
+    k_blocks = key[:, :, ctx:].reshape(batch, kv_heads, 1, num, size, dim)
+    v_blocks = value[:, :, ctx:].reshape(batch, kv_heads, 1, num, size, dim)
+    own_scores = torch.matmul(q_blocks, k_blocks.transpose(-1, -2))
+    scores = torch.cat([ctx_scores, own_scores], dim=-1).float() * scale
+    hidden = torch.arange(ctx, device=query.device)[None, None, :] >= layout.anchors[:, :, None]
+    scores[..., :ctx].masked_fill_(hidden[:, None, None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    from_ctx = torch.matmul(probs[..., :ctx].reshape(batch, kv_heads, groups * q_len, ctx), value[:, :, :ctx])
+    out = from_ctx.view(batch, kv_heads, groups, num, size, dim) + torch.matmul(probs[..., ctx:], v_blocks)
+    out = out * layout.keep[:, None, None, :, None, None].to(out.dtype)
+    return out.view(batch, heads, q_len, dim)
+
+
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: Any, scale: float,
            implementation: str | None) -> torch.Tensor:
-    """Attention over ``[B, H, L, D]`` tensors (GQA allowed) with no mask, a bool mask or a BlockMask."""
+    """Attention over ``[B, H, L, D]`` tensors (GQA allowed) with no mask, a bool mask, a
+    :class:`BlockLayout` or a BlockMask."""
+    if isinstance(mask, BlockLayout):
+        return _blockwise(query, key, value, mask, scale)
     if BlockMask is not None and isinstance(mask, BlockMask):
         return _flex(query, key, value, mask, scale)
     if implementation == "eager":
@@ -237,7 +280,8 @@ class DFlashDraftModel(PreTrainedModel):
             noise_embedding: ``[B, Q, H]`` target embeddings of the block tokens.
             target_hidden: ``[B, C, K*H]`` concatenated target layer outputs for the context.
             attention_mask: None (inference: everything visible), a bool ``[B, 1, Q, C_all + Q]``
-                mask (True = attend; C_all includes cached context) or a FlexAttention BlockMask.
+                mask (True = attend; C_all includes cached context), a :class:`BlockLayout`
+                (training without a dense mask) or a FlexAttention BlockMask.
             past_key_values: a transformers ``Cache`` holding context K/V of earlier calls; the
                 new context K/V are appended, block K/V are never stored.
             use_cache: accepted for z-lab compatibility; caching happens iff a cache is passed.
@@ -385,4 +429,4 @@ def _crop_to(cache: Any, length: int) -> None:
         cache.crop(-excess)
 
 
-__all__ = ["DFlashDraftModel", "build_target_layer_ids", "extract_context_feature", "dflash_value"]
+__all__ = ["BlockLayout", "DFlashDraftModel", "build_target_layer_ids", "extract_context_feature", "dflash_value"]
