@@ -135,3 +135,13 @@ def test_pipeline_benchmark_tiny(tmp_path: Path):
     assert summary["ideal_overlap_bound"] >= 1.0
     assert "pipelined (1/1) / sequential (1)" in proc.stdout
     assert "tok/s" in proc.stdout
+
+
+def test_attention_benchmark_compares_both_modes_at_small_shapes():
+    proc = _run("attention_cpu.py", "--anchors", "4", "--seq-len", "64", "--repeats", "1")
+    assert proc.returncode == 0, proc.stderr
+    header, row = proc.stdout.strip().splitlines()
+    assert header.split()[0] == "anchors"
+    anchors, sdpa, blockwise, ratio = row.split()
+    assert anchors == "4" and float(sdpa) > 0 and float(blockwise) > 0
+    assert math.isclose(float(ratio), float(blockwise) / float(sdpa), rel_tol=0.05, abs_tol=0.01)
