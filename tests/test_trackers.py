@@ -110,6 +110,21 @@ def test_console_prints_plain_lines_without_a_tty(monkeypatch: pytest.MonkeyPatc
     assert "eta" in lines[1] and "eta -" not in lines[1]  # a rate exists from the 2nd log on
 
 
+def test_console_eta_stops_at_the_time_budget(monkeypatch: pytest.MonkeyPatch):
+    for var in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
+        monkeypatch.delenv(var, raising=False)
+    stream = io.StringIO()
+    # 10^6 planned steps at this rate would take days; the run ends within max_time_s (60 s).
+    console = ConsoleTracker(total_steps=10**6, stream=stream, max_time_s=60.0)
+    console.log({"train/loss": 2.0}, 1)
+    time.sleep(0.05)
+    console.log({"train/loss": 2.0}, 2)
+    console.close()
+    assert console._eta(3) <= 60.0
+    eta = stream.getvalue().splitlines()[1].split("eta ")[1]
+    assert "day" not in eta and eta != "-"
+
+
 def test_console_progress_bar_on_a_terminal():
     stream = io.StringIO()
     console = ConsoleTracker(total_steps=50, stream=stream, plain=False)

@@ -181,10 +181,12 @@ class ConsoleTracker(Tracker):
     """
 
     def __init__(self, total_steps: int | None = None, *, stream: IO[str] | None = None,
-                 plain: bool | None = None) -> None:
+                 plain: bool | None = None, max_time_s: float | None = None) -> None:
         from rich.console import Console
 
         self.total_steps = total_steps
+        # A time-bounded run ends at the deadline, however many planned steps remain.
+        self._deadline = None if max_time_s is None else time.monotonic() + max_time_s
         self._stream = stream if stream is not None else sys.stdout
         console = Console(file=self._stream, force_terminal=None if plain is None else not plain)
         self.plain = not console.is_terminal
@@ -209,7 +211,8 @@ class ConsoleTracker(Tracker):
         first_step, first_time = self._first
         if self.total_steps is None or step <= first_step:
             return None
-        return (self.total_steps - step) * (now - first_time) / (step - first_step)
+        eta = (self.total_steps - step) * (now - first_time) / (step - first_step)
+        return eta if self._deadline is None else min(eta, max(0.0, self._deadline - now))
 
     def log(self, metrics: Mapping[str, MetricValue], step: int) -> None:
         stats = "  ".join(f"{label} {fmt.format(float(metrics[key]))}"
@@ -270,7 +273,7 @@ class Trackers(Tracker):
 def build_trackers(logging_cfg: LoggingConfig, run_dir: str | Path, *,
                    config_dict: Mapping[str, Any], is_rank0: bool,
                    resume_run_id: str | None = None,
-                   total_steps: int | None = None) -> Trackers:
+                   total_steps: int | None = None, max_time_s: float | None = None) -> Trackers:
     """The trackers ``logging_cfg`` asks for, writing under ``run_dir``.
 
     On rank 0: ``metrics.jsonl`` always, ``tensorboard/`` and the console when enabled, and a
@@ -292,7 +295,7 @@ def build_trackers(logging_cfg: LoggingConfig, run_dir: str | Path, *,
                 tags=logging_cfg.tags, config=config_dict, run_dir=run_dir,
                 resume_run_id=resume_run_id))
         if logging_cfg.console:
-            trackers.append(ConsoleTracker(total_steps))
+            trackers.append(ConsoleTracker(total_steps, max_time_s=max_time_s))
     except BaseException:
         Trackers(trackers).close()
         raise

@@ -191,7 +191,7 @@ class Trainer:
                 cfg.logging, self.run_dir, config_dict=config_to_dict(cfg),
                 is_rank0=self.dist.is_main,
                 resume_run_id=(self.resume_state or {}).get("tracker_run_id"),
-                total_steps=self.total_steps)
+                total_steps=self.total_steps, max_time_s=cfg.training.max_time_s)
             self.in_training_eval = None
             if cfg.eval.every_steps and self.dist.is_main:
                 from dflash_trainer.evaluate import InTrainingEval
