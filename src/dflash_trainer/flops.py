@@ -7,7 +7,8 @@ K/V projections over the S context tokens, the block-token projections and MLP o
 block tokens, and the attention entries the mask allows (each block sees ``anchor`` context
 keys and its own B keys); ``fc`` gets only a weight gradient (the features need none). LM
 head: logits and the hidden-state gradient over the N*K supervised slots (the head is
-frozen; K = B-1 or ``training.loss_slots``), plus the target's logits of those slots for KL labels. Dropped blocks count as real ones: they cost the same.
+frozen; K = B-1 or ``training.loss_slots``), plus the target's logits of those slots for KL
+labels. Dropped blocks count as real ones: they cost the same.
 """
 
 from __future__ import annotations

@@ -73,20 +73,23 @@ def slot_weights(block_size: int, gamma: float | None, device: torch.device | No
 
 def labels_and_weights(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
                        keep: torch.Tensor, block_size: int, gamma: float | None,
-                       seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(labels, weights)``, both ``[B, N, B-1]``, for slots k = 1..B-1 (slot 0 is never trained).
+                       seq_lens: torch.Tensor,
+                       num_slots: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(labels, weights)``, both ``[B, N, K]``, for slots k = 1..K (slot 0 is never trained);
+    K is ``num_slots``, by default ``B-1`` (``training.loss_slots`` supervises fewer).
 
     Same-position labels: slot k predicts ``input_ids[anchor + k]`` (pass the target's greedy
     labels as ``input_ids`` for on-policy labels). Weight ``exp(-(k-1)/gamma)`` where
     ``keep``, ``anchor + k < seq_len`` and ``loss_mask[anchor + k]``; 0 elsewhere.
     """
     seq = input_ids.shape[1]
-    pos = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)
+    slots = num_slots or block_size - 1
+    pos = anchors[:, :, None] + torch.arange(1, slots + 1, device=anchors.device)
     inside = (pos < seq_lens.to(pos.device)[:, None, None]) & keep[:, :, None]
     flat = pos.clamp(max=seq - 1).flatten(1)
     labels = input_ids.gather(1, flat).view_as(pos)
     supervised = loss_mask.bool().gather(1, flat).view_as(pos) & inside
-    weights = slot_weights(block_size, gamma, anchors.device) * supervised
+    weights = slot_weights(block_size, gamma, anchors.device)[:slots] * supervised
     return labels, weights
 
 

@@ -110,9 +110,9 @@ class DFlashObjective(nn.Module):
         if self.labels == "target_greedy":
             label_ids = _required(batch, "target_labels")
         noise_ids, block_positions = build_block_inputs(input_ids, anchors, keep, self.mask_token_id, block)
-        labels, weights = labels_and_weights(label_ids, loss_mask, anchors, keep, block, self.gamma, seq_lens)
         slots = self.loss_slots
-        labels, weights = labels[:, :, :slots], weights[:, :, :slots]
+        labels, weights = labels_and_weights(label_ids, loss_mask, anchors, keep, block, self.gamma, seq_lens,
+                                             num_slots=slots)
         mask: Any
         if self._use_flex(features.device):
             mask = flex_block_mask(anchors, keep, context_len, block)

@@ -132,8 +132,8 @@ def _blockwise(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layo
     v_blocks = value[:, :, ctx:].reshape(batch, kv_heads, 1, num, size, dim)
     own_scores = torch.matmul(q_blocks, k_blocks.transpose(-1, -2))
     scores = torch.cat([ctx_scores, own_scores], dim=-1).float() * scale
-    hidden = torch.arange(ctx, device=query.device)[None, None, :] >= layout.anchors[:, :, None]
-    scores[..., :ctx].masked_fill_(hidden[:, None, None, :, None, :], float("-inf"))
+    unseen = torch.arange(ctx, device=query.device)[None, None, :] >= layout.anchors[:, :, None]
+    scores[..., :ctx].masked_fill_(unseen[:, None, None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(value.dtype)
     from_ctx = torch.matmul(probs[..., :ctx].reshape(batch, kv_heads, groups * q_len, ctx), value[:, :, :ctx])
     out = from_ctx.view(batch, kv_heads, groups, num, size, dim) + torch.matmul(probs[..., ctx:], v_blocks)
