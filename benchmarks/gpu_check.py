@@ -53,20 +53,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pipeline import Parts, RunResult, run_pipelined, run_sequential  # noqa: E402
+from pipeline import Parts, RunResult, run_pipelined, run_sequential
 
-from dflash_trainer.config import ModelConfig, PipelineConfig, TrainingConfig  # noqa: E402
-from dflash_trainer.flops import LayerDims, StepShape  # noqa: E402
-from dflash_trainer.flops import step_flops as model_step_flops  # noqa: E402
-from dflash_trainer.data.buckets import Plan, build_plan  # noqa: E402
-from dflash_trainer.distributed import DistInfo  # noqa: E402
-from dflash_trainer.model.blocks import flex_block_mask, sample_anchors, slot_weights  # noqa: E402
-from dflash_trainer.model.drafter import build_drafter  # noqa: E402
-from dflash_trainer.model.loss import chunked_head_loss, reference_head_loss  # noqa: E402
-from dflash_trainer.model.objective import DFlashObjective  # noqa: E402
-from dflash_trainer.model.target import FeatureExtractor  # noqa: E402
-from dflash_trainer.optim import LRSchedule, build_optimizer  # noqa: E402
-from dflash_trainer.pipeline.train_loop import DrafterTrainLoop  # noqa: E402
+from dflash_trainer.components import PEAK_BF16_FLOPS, build
+from dflash_trainer.config import ModelConfig, load_config
+from dflash_trainer.distributed import DistInfo
+from dflash_trainer.flops import LayerDims, StepShape
+from dflash_trainer.flops import step_flops as model_step_flops
+from dflash_trainer.model.blocks import flex_block_mask, sample_anchors, slot_weights
+from dflash_trainer.model.drafter import build_drafter
+from dflash_trainer.model.loss import chunked_head_loss, reference_head_loss
+from dflash_trainer.model.objective import DFlashObjective
+from dflash_trainer.model.target import TargetOutputs
+from dflash_trainer.pipeline.batch import Batch
+from dflash_trainer.pipeline.pipeline import PipelineSettings
 
 GAMMA = 7.0
 LOSS_CHUNK = 1024
@@ -97,16 +97,18 @@ class Geometry:
 
     @property
     def layer_ids(self) -> list[int]:
-        """Target layers feeding the drafter: one per drafter layer, the deepest last."""
-        return list(range(self.target_layers - self.drafter_layers, self.target_layers))
+        """Target layers feeding the drafter: one per drafter layer, ending just below the
+        target's last layer (which the trainer refuses: servers read it after the final norm)."""
+        return list(range(self.target_layers - 1 - self.drafter_layers, self.target_layers - 1))
 
 
 REFERENCE = Geometry(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128,
-                     vocab=151936, target_layers=5, drafter_layers=5, block_size=16,
+                     vocab=151936, target_layers=6, drafter_layers=5, block_size=16,
                      num_anchors=512, seq_len=3072, batch=1)
-"""Qwen3-8B-DFlash-b16 drafter shapes; the target is Qwen3-8B cut to 5 layers."""
+"""Qwen3-8B-DFlash-b16 drafter shapes; the target is Qwen3-8B cut to 6 layers, of which the
+feature forward runs 5 (it stops after the deepest feature layer)."""
 CHECK = Geometry(hidden=1024, intermediate=3072, heads=8, kv_heads=2, head_dim=128, vocab=32000,
-                 target_layers=2, drafter_layers=2, block_size=16, num_anchors=64,
+                 target_layers=3, drafter_layers=2, block_size=16, num_anchors=64,
                  seq_len=1024, batch=2)
 """The flex-vs-SDPA comparison: small enough for an fp32 reference, with GQA and 2 rows."""
 TINY = Geometry(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=512,
@@ -214,6 +216,10 @@ class SyntheticTokens:
     def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         return self._ids[index], self._mask[index]
 
+    def token_ids(self) -> np.ndarray:
+        """The distinct token ids of the samples."""
+        return np.unique(self._ids)
+
 
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
     """bf16 autocast as ``DrafterTrainLoop`` uses it; nothing for fp32."""
@@ -226,7 +232,7 @@ def step_flops(geom: Geometry, *, mean_anchor: float) -> dict[str, float]:
     dims = LayerDims(hidden=g.hidden, intermediate=g.intermediate, heads=g.heads,
                      kv_heads=g.kv_heads, head_dim=g.head_dim)
     flops = model_step_flops(
-        target=dims, target_layers_run=g.target_layers, target_head=False, drafter=dims,
+        target=dims, target_layers_run=max(g.layer_ids) + 1, target_head=False, drafter=dims,
         drafter_layers=g.drafter_layers, num_features=len(g.layer_ids), vocab=g.vocab,
         shape=StepShape(rows=g.batch, seq_len=g.seq_len, num_anchors=g.num_anchors,
                         block_size=g.block_size, mean_anchor=mean_anchor))
@@ -294,7 +300,7 @@ def section_matmul(st: Settings) -> Section:
         a = torch.randn(n, n, device=st.device, dtype=dtype)
         b = torch.randn(n, n, device=st.device, dtype=dtype)
         iters = 20 if st.tiny else max(10, int(2e14 // (2 * n ** 3)))
-        seconds = time_it(lambda: a @ b, st.device, iters)
+        seconds = time_it(lambda a=a, b=b: a @ b, st.device, iters)
         results[n] = 2 * n ** 3 / seconds / 1e12
         del a, b
     best = max(results, key=results.get)
@@ -305,7 +311,7 @@ def section_matmul(st: Settings) -> Section:
 
 
 def _check_inputs(geom: Geometry, device: torch.device, dtype: torch.dtype,
-                  generator: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+                  generator: torch.Generator) -> tuple[Batch, TargetOutputs]:
     """A batch for the objective: row 0 long and mostly supervised, row 1 padded and with
     fewer valid anchors than ``num_anchors`` (dropped blocks), plus random target features."""
     s = geom.seq_len
@@ -318,18 +324,16 @@ def _check_inputs(geom: Geometry, device: torch.device, dtype: torch.dtype,
         seq_lens[1:] = short
         input_ids[1:, short:] = 0
         span = geom.num_anchors // 2
-        loss_mask[1:, short - span - geom.block_size:short] = True
+        loss_mask[1:, short - span:short] = True  # span - 1 valid anchors (a and a + 1 supervised)
     anchors, keep = sample_anchors(loss_mask, geom.num_anchors, geom.block_size, generator,
                                    seq_lens=seq_lens)
-    batch = {"input_ids": input_ids, "loss_mask": loss_mask, "seq_lens": seq_lens,
-             "anchors": anchors, "keep": keep}
-    batch = {k: v.to(device) for k, v in batch.items()}
+    batch = Batch.of_rows(input_ids, loss_mask, anchors=anchors, keep=keep, seq_lens=seq_lens)
     features = torch.randn(geom.batch, s, len(geom.layer_ids) * geom.hidden, generator=generator)
-    return batch, features.to(device=device, dtype=dtype)
+    return batch.to(device), TargetOutputs(features=features.to(device=device, dtype=dtype))
 
 
-def _objective_pass(objective: DFlashObjective, batch: dict[str, torch.Tensor],
-                    features: torch.Tensor, attention: str, amp_dtype: torch.dtype,
+def _objective_pass(objective: DFlashObjective, batch: Batch,
+                    target: TargetOutputs, attention: str, amp_dtype: torch.dtype,
                     backward: bool) -> dict[str, Any]:
     """One forward (and backward) of the objective; drafter output, loss and gradients."""
     captured: dict[str, torch.Tensor] = {}
@@ -337,10 +341,10 @@ def _objective_pass(objective: DFlashObjective, batch: dict[str, torch.Tensor],
         lambda module, args, output: captured.__setitem__("hidden", output.detach().float()))
     objective.attention = attention
     objective.drafter.zero_grad(set_to_none=True)
-    device = features.device
+    device = target.features.device
     try:
         with torch.set_grad_enabled(backward), autocast(device, amp_dtype):
-            loss, _ = objective(batch, features, step=0)
+            loss = objective(batch, target, step=0).mean_loss()
         if backward:
             loss.backward()
     finally:
@@ -377,7 +381,7 @@ def section_flex_vs_sdpa(st: Settings) -> Section:
     head = target.get_output_embeddings().weight
     objective = DFlashObjective(drafter, embed, head, gamma=GAMMA, loss_chunk_size=LOSS_CHUNK)
     batch, features = _check_inputs(geom, device, target_dtype, generator)
-    dropped = int((~batch["keep"]).sum())
+    dropped = int((~batch.keep).sum())
     data: dict[str, Any] = {"geometry": asdict(geom), "dropped_blocks": dropped}
     if cuda:
         ref = _objective_pass(objective, batch, features, "sdpa", torch.float32, backward=True)
@@ -422,38 +426,25 @@ def section_flex_vs_sdpa(st: Settings) -> Section:
 
 
 def build_train_parts(st: Settings, geom: Geometry) -> Parts:
-    """The trainer's components on random weights and synthetic data at ``geom``."""
-    device = st.device
-    target = make_target(geom, device, st.dtype)
-    drafter = make_drafter(geom, target.config, device)
-    extractor = FeatureExtractor(target, drafter.target_layer_ids)
-    objective = DFlashObjective(drafter, extractor.embed_weight, extractor.head_weight,
-                                gamma=GAMMA, loss_chunk_size=LOSS_CHUNK)
-    training = TrainingConfig()
-    params = [p for p in objective.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, training)
-    loop = DrafterTrainLoop(
-        objective=objective, parameters=params, optimizer=optimizer,
-        schedule=LRSchedule(optimizer, total_steps=1000, cfg=training), cfg=training,
-        dist_info=DistInfo(rank=0, world_size=1, local_rank=0, device=device),
-        block_size=geom.block_size,
-        autocast_dtype=st.dtype if st.dtype != torch.float32 else None)
+    """The trainer's components (``components.build``) on a random target and synthetic data
+    at ``geom``."""
+    target = make_target(geom, st.device, st.dtype)
     dataset = SyntheticTokens(16 * geom.batch, geom.seq_len, geom.vocab, seed=0)
-    pipeline_cfg = PipelineConfig(num_buckets=1, tokens_per_batch=geom.batch * geom.seq_len,
-                                  max_batch_size=geom.batch)
-    plans: dict[int, Plan] = {}
-
-    def plan_for(epoch: int) -> Plan:
-        if epoch not in plans:
-            plans[epoch] = build_plan(dataset.lengths, pipeline_cfg, seed=0, epoch=epoch)
-        return plans[epoch]
-
-    drafter_params = sum(p.numel() for p in drafter.parameters())
-    target_params = sum(p.numel() for p in target.parameters())
-    return Parts(dataset=dataset, plan_for=plan_for, extract=extractor, loop=loop, device=device,
-                 num_anchors=geom.num_anchors, block_size=geom.block_size, seed=0,
-                 info={"drafter_params": drafter_params, "target_params": target_params,
-                       "objective": objective})
+    cfg = load_config(None, [
+        f"model.num_layers={geom.drafter_layers}", f"model.block_size={geom.block_size}",
+        f"model.target_layer_ids={geom.layer_ids}", f"model.mask_token_id={geom.vocab - 1}",
+        f"training.gamma={GAMMA}", f"training.loss_chunk_size={LOSS_CHUNK}",
+        f"training.num_anchors={geom.num_anchors}", "training.seed=0",
+        f"data.max_length={geom.seq_len}",
+        "pipeline.num_buckets=1", f"pipeline.tokens_per_batch={geom.batch * geom.seq_len}",
+        f"pipeline.max_batch_size={geom.batch}", f"pipeline.device={st.device.type}"])
+    c = build(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=st.device),
+              target=target, data=dataset)
+    return Parts(components=c, settings=PipelineSettings.from_config(cfg,
+                                                                     block_size=geom.block_size),
+                 info={"drafter_params": sum(p.numel() for p in c.drafter.parameters()),
+                       "target_params": sum(p.numel() for p in target.parameters()),
+                       "objective": c.objective})
 
 
 def section_train_step(st: Settings, ceiling_tflops: float | None,
@@ -494,8 +485,6 @@ def section_train_step(st: Settings, ceiling_tflops: float | None,
     if ceiling_tflops:
         data["mfu_vs_measured"] = tflops / ceiling_tflops
     if device.type == "cuda":
-        from dflash_trainer.train import PEAK_BF16_FLOPS
-
         name = torch.cuda.get_device_name(device)
         spec = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
         if spec:

@@ -4,11 +4,10 @@
                                   [--repeats 1] [--target smollm2] [--data sharegpt] [--out pipeline.json]
                                   [--set key=value ...]
 
-Real components: the token store from ``data.prepare.build_dataset``, the plan from
-``data.buckets.build_plan``, the target from ``model.target.load_target`` with a
-``FeatureExtractor``, the drafter objective, ``DrafterTrainLoop`` with its optimizer and
-schedule, and for the pipelined run ``BatchPrefetcher`` -> ``TargetStage`` -> the loop on
-the main thread, wired as ``train.Trainer.train`` wires them (no monitor or checkpoints).
+Real components: everything from ``components.build`` (the trainer's one assembly: token
+store, plans, target with its ``FeatureExtractor``, drafter objective, ``DrafterTrainLoop``),
+and for the pipelined run the trainer's own ``TrainingPipeline`` (prefetcher -> target stage
+-> the loop on the main thread), without checkpoints or trackers.
 
 The sequential run does the same steps (same plan positions, same anchors) in the main
 thread: collate, target forward, drafter step, one after the other. Each run skips
@@ -38,22 +37,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_trainer import assets
+from dflash_trainer.components import Components, build
 from dflash_trainer.config import Config, load_config
-from dflash_trainer.data.buckets import Plan, build_plan
-from dflash_trainer.data.prepare import build_dataset
 from dflash_trainer.distributed import DistInfo, resolve_device
-from dflash_trainer.model.blocks import sample_anchors
-from dflash_trainer.model.drafter import build_drafter
-from dflash_trainer.model.objective import DFlashObjective
-from dflash_trainer.model.target import FeatureExtractor, load_target, resolve_mask_token_id
-from dflash_trainer.optim import LRSchedule, build_optimizer
-from dflash_trainer.pipeline.batch import Batch
-from dflash_trainer.pipeline.channel import Channel
-from dflash_trainer.pipeline.prefetch import BatchPrefetcher, TokenDataset
-from dflash_trainer.pipeline.stage import Supervisor
-from dflash_trainer.pipeline.target_stage import FeatureFn, TargetStage
-from dflash_trainer.pipeline.train_loop import DrafterTrainLoop, StepInput
+from dflash_trainer.model.target import TargetOutputs
+from dflash_trainer.pipeline.batch import Batch, StepInput
+from dflash_trainer.pipeline.metrics import combine
+from dflash_trainer.pipeline.pipeline import PipelineSettings, TrainingPipeline
+from dflash_trainer.pipeline.target_stage import FeatureFn
 
 DEFAULTS = ("data.max_samples=200", "data.max_length=512", "model.num_layers=1",
             "training.num_anchors=32", "pipeline.tokens_per_batch=1024", "pipeline.device=cpu")
@@ -62,41 +53,40 @@ DEFAULTS = ("data.max_samples=200", "data.max_length=512", "model.num_layers=1",
 
 @dataclass(kw_only=True)
 class Parts:
-    """What every run shares: data, plan, target feature function and the drafter loop."""
+    """What every run shares: the built components and the pipeline settings."""
 
-    dataset: TokenDataset
-    plan_for: Callable[[int], Plan]
-    extract: FeatureFn
-    loop: DrafterTrainLoop
-    device: torch.device
-    num_anchors: int
-    block_size: int
-    seed: int
-    prefetch_workers: int = 2
-    batch_queue_size: int = 4
-    feature_queue_size: int = 2
+    components: Components
+    settings: PipelineSettings
     info: dict[str, Any] = field(default_factory=dict)
     """Settings to print with the results (model sizes, batch shapes, ...)."""
+
+    @property
+    def loop(self) -> Any:
+        """The drafter train loop."""
+        return self.components.loop
+
+    @property
+    def device(self) -> torch.device:
+        """The device every run uses."""
+        return self.components.device
 
     def epochs_for(self, num_steps: int) -> int:
         """Epochs of the plan needed to supply ``num_steps`` steps."""
         epochs, available = 0, 0
         while available < num_steps:
-            length = len(self.plan_for(epochs))
+            length = self.components.plans.num_steps(epochs)
             if length == 0:
                 raise ValueError("the batch plan has no steps: the data set is empty")
             available += length
             epochs += 1
         return epochs
 
-    def positions(self, num_steps: int) -> list[tuple[int, int]]:
-        """(epoch, step) of the first ``num_steps`` steps, in stream order."""
-        out = []
-        epoch = 0
-        while len(out) < num_steps:
-            out += [(epoch, s) for s in range(len(self.plan_for(epoch)))]
-            epoch += 1
-        return out[:num_steps]
+    def pipeline(self, steps: int, extract: FeatureFn | None = None) -> TrainingPipeline:
+        """The trainer's pipeline over enough epochs for ``steps`` (not started)."""
+        c = self.components
+        settings = PipelineSettings(**{**asdict(self.settings), "epochs": self.epochs_for(steps)})
+        return TrainingPipeline(data=c.data, plans=c.plans, extract=extract or c.extractor,
+                                loop=c.loop, dist=c.dist, settings=settings)
 
 
 @dataclass(kw_only=True)
@@ -172,77 +162,52 @@ class _WithThreads:
         self.threads = threads
         self._local = threading.local()
 
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TargetOutputs:
         if self.threads and not getattr(self._local, "set", False):
             torch.set_num_threads(self.threads)
             self._local.set = True
         return self.fn(input_ids, attention_mask)
 
 
-def _extras(out: Any) -> dict[str, torch.Tensor]:
-    return {name: value for name in ("target_labels", "final_hidden")
-            if (value := getattr(out, name, None)) is not None}
-
-
-def _prefetcher(parts: Parts, stop: threading.Event, outputs: Sequence[Channel],
-                epochs: int) -> BatchPrefetcher:
-    return BatchPrefetcher(
-        parts.dataset, parts.plan_for, rank=0, num_workers=parts.prefetch_workers,
-        out_channels=outputs, sample_anchors=sample_anchors, num_anchors=parts.num_anchors,
-        block_size=parts.block_size, seed=parts.seed, pin_memory=parts.device.type == "cuda",
-        stop=stop, epochs=epochs)
-
-
 def run_pipelined(parts: Parts, *, steps: int, warmup: int, target_threads: int | None = None,
                   drafter_threads: int | None = None) -> RunResult:
-    """Prefetch workers -> target stage thread -> drafter loop on this thread, as in training."""
+    """The trainer's pipeline: prefetch workers -> target stage thread -> the drafter loop on
+    this thread."""
     previous = torch.get_num_threads()
     if drafter_threads:
         torch.set_num_threads(drafter_threads)
-    stop = threading.Event()
-    batches = Channel("batches", parts.batch_queue_size, stop)
-    features = Channel("features", parts.feature_queue_size, stop)
-    prefetcher = _prefetcher(parts, stop, [batches], parts.epochs_for(steps + warmup))
-    target = TargetStage(extract=_WithThreads(parts.extract, target_threads), inputs=batches,
-                         output=features, device=parts.device, stop=stop)
     loop = parts.loop
-    tokens, busy_drafter = 0, 0.0
+    start_step = loop.optimizer_step
+    pipe = parts.pipeline(steps + warmup, _WithThreads(parts.components.extractor, target_threads))
+    tokens = 0
     try:
-        with Supervisor(stop) as sup:
-            sup.add(prefetcher)
-            sup.add(target)
-            sup.start()
-            items = sup.iterate(features)
+        with pipe:
             window_start, cpu_start = time.perf_counter(), time.process_time()
-            for i in range(steps + warmup):
-                wait_start = time.perf_counter()
-                item = next(items, None)
-                loop.note_wait(time.perf_counter() - wait_start)
-                if item is None:
-                    raise RuntimeError(f"the pipeline ended after {i} of {steps + warmup} steps")
-                step_start = time.perf_counter()
-                loop.train_micro_batch(item)
-                prefetcher.acknowledge(item.batch)
+            trained = pipe.batches_trained(
+                until=lambda: loop.optimizer_step - start_step >= steps + warmup)
+            for i, item in enumerate(trained):
                 if i >= warmup:
                     tokens += item.batch.num_tokens
-                    busy_drafter += time.perf_counter() - step_start
                 if i + 1 == warmup:
                     # Start the timed window: reset every stage's and the loop's counters.
                     _sync(parts.device)
-                    sup.get_metrics()
+                    pipe.stage_metrics()
                     loop.get_metrics()
                     window_start, cpu_start = time.perf_counter(), time.process_time()
+            done = loop.optimizer_step - start_step
+            if done < steps + warmup:
+                raise RuntimeError(f"the pipeline ended after {done} of {steps + warmup} steps")
             _sync(parts.device)
             seconds = time.perf_counter() - window_start
             cpu_s = time.process_time() - cpu_start
-            stage_metrics = sup.get_metrics()
-            loop_metrics = loop.get_metrics()
-            stop.set()  # the plan has more steps; stop the stages instead of draining them
+            stage_metrics = combine([pipe.stage_metrics()])
+            loop_metrics = combine([loop.get_metrics()])
+            pipe.close()  # the plan has more steps; stop the stages instead of draining them
     finally:
         torch.set_num_threads(previous)
     busy = {"prefetch": stage_metrics["pipe/prefetch/busy_frac"],
             "target": stage_metrics["pipe/target/busy_frac"],
-            "drafter": min(1.0, busy_drafter / seconds)}
+            "drafter": min(1.0, loop_metrics["perf/step_time_s"] * steps / seconds)}
     return RunResult(mode="pipelined", threads=f"{target_threads or previous}/"
                      f"{drafter_threads or previous}", steps=steps, tokens=tokens,
                      seconds=seconds, tokens_per_s=tokens / seconds, cpu_s=cpu_s,
@@ -256,29 +221,28 @@ def run_sequential(parts: Parts, *, steps: int, warmup: int,
     previous = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
-    # A prefetcher that is never started: only its collate (the real one) is used.
-    collater = _prefetcher(parts, threading.Event(), [Channel("unused", 1, threading.Event())],
-                           parts.epochs_for(steps + warmup))
-    loop = parts.loop
+    # A pipeline that is never started: its prefetcher's collate (the real one) is used.
+    collater = parts.pipeline(steps + warmup).prefetcher
+    plans, extract, loop = parts.components.plans, parts.components.extractor, parts.loop
     tokens = 0
     timer = _StageTimer(parts.device)
+    positions = [(e, s) for e in range(parts.epochs_for(steps + warmup))
+                 for s in range(plans.num_steps(e))][:steps + warmup]
     try:
         window_start, cpu_start = time.perf_counter(), time.process_time()
-        for i, (epoch, step) in enumerate(parts.positions(steps + warmup)):
+        for i, (epoch, step) in enumerate(positions):
             timed = i >= warmup
             began = time.perf_counter()
-            batch: Batch = collater.collate(parts.plan_for(epoch), step, i)
+            batch: Batch = collater.collate(plans(epoch), step, i)
             if timed:
                 timer.add("collate", time.perf_counter() - began)  # host work on any device
             began = timer.start()
             batch = batch.to(parts.device, non_blocking=True)
-            with torch.no_grad():
-                out = parts.extract(batch.input_ids, batch.attention_mask)
+            target = extract(batch.input_ids, batch.attention_mask)
             if timed:
                 timer.stop("target", began)
             began = timer.start()
-            loop.train_micro_batch(StepInput(batch=batch, features=out.features,
-                                             extras=_extras(out)))
+            loop.train_micro_batch(StepInput(batch=batch, target=target))
             if timed:
                 timer.stop("drafter", began)
                 tokens += batch.num_tokens
@@ -301,60 +265,25 @@ def run_sequential(parts: Parts, *, steps: int, warmup: int,
 
 
 def build_parts(cfg: Config) -> Parts:
-    """The trainer's components for ``cfg``, built as ``train.Trainer`` builds them (1 rank)."""
+    """The trainer's components for ``cfg`` (``components.build``, one rank)."""
     device = resolve_device(cfg.pipeline)
-    bf16 = cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and device.type == "cuda")
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    torch.manual_seed(cfg.training.seed)
-    target, tokenizer = load_target(str(assets.resolve_target(cfg.model.target)), device=device,
-                                    dtype=dtype)
-    store, _ = build_dataset(cfg, tokenizer=tokenizer, log=None)
-    if len(store) == 0:
-        raise ValueError("no training samples: check data.paths and data.max_samples")
-    rows = target.get_input_embeddings().weight.shape[0]
-    data_ids = np.unique(np.concatenate([np.asarray(store[i][0]) for i in range(len(store))]))
-    mask_id = resolve_mask_token_id(tokenizer, rows, explicit=cfg.model.mask_token_id,
-                                    forbidden_in_data=data_ids.tolist())
-    drafter = build_drafter(cfg.model, target.config, mask_token_id=mask_id).to(device)
-    extractor = FeatureExtractor(target, drafter.target_layer_ids, labels=cfg.training.labels,
-                                 label_chunk_size=cfg.training.loss_chunk_size)
-    objective = DFlashObjective.from_config(drafter, extractor.embed_weight,
-                                            extractor.head_weight, cfg)
-    params = [p for p in objective.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, cfg.training)
-    schedule = LRSchedule(optimizer, total_steps=10_000, cfg=cfg.training)
-    loop = DrafterTrainLoop(
-        objective=objective, parameters=params, optimizer=optimizer, schedule=schedule,
-        cfg=cfg.training, dist_info=DistInfo(rank=0, world_size=1, local_rank=0, device=device),
-        block_size=drafter.block_size,
-        autocast_dtype=torch.bfloat16 if dtype == torch.bfloat16 else None)
-    plans: dict[int, Plan] = {}
-
-    def plan_for(epoch: int) -> Plan:
-        if epoch not in plans:
-            plans[epoch] = build_plan(store.lengths, cfg.pipeline, seed=cfg.training.seed,
-                                      epoch=epoch, world_size=1)
-        return plans[epoch]
-
-    plan = plan_for(0)
+    c = build(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=device))
+    plan = c.plans(0)
     rows_per_step = [len(s.batches[0]) for s in plan.steps]
     info = {
-        "target": cfg.model.target, "target_layers": len(target.model.layers),
-        "target_layer_ids": drafter.target_layer_ids,
-        "drafter_layers": cfg.model.num_layers, "hidden": drafter.config.hidden_size,
-        "num_anchors": cfg.training.num_anchors, "block_size": drafter.block_size,
-        "samples": len(store), "mean_len": float(np.mean(store.lengths)),
+        "target": cfg.model.target, "target_layers": c.target.config.num_hidden_layers,
+        "target_layer_ids": c.drafter.target_layer_ids,
+        "drafter_layers": cfg.model.num_layers, "hidden": c.drafter.config.hidden_size,
+        "num_anchors": cfg.training.num_anchors, "block_size": c.drafter.block_size,
+        "samples": len(c.data), "mean_len": float(np.mean(c.data.lengths)),
         "tokens_per_batch": cfg.pipeline.tokens_per_batch,
         "mean_rows_per_step": float(np.mean(rows_per_step)), "steps_per_epoch": len(plan),
         "padding_efficiency": plan.stats.padding_efficiency,
         "prefetch_workers": cfg.pipeline.prefetch_workers, "device": str(device),
         "cpu_cores": os.cpu_count(), "torch_default_threads": torch.get_num_threads(),
     }
-    return Parts(dataset=store, plan_for=plan_for, extract=extractor, loop=loop, device=device,
-                 num_anchors=cfg.training.num_anchors, block_size=drafter.block_size,
-                 seed=cfg.training.seed, prefetch_workers=cfg.pipeline.prefetch_workers,
-                 batch_queue_size=cfg.pipeline.batch_queue_size,
-                 feature_queue_size=cfg.pipeline.feature_queue_size, info=info)
+    return Parts(components=c, info=info,
+                 settings=PipelineSettings.from_config(cfg, block_size=c.drafter.block_size))
 
 
 def _parse_threads(text: str) -> tuple[int, int]:

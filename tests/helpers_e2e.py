@@ -1,10 +1,14 @@
-"""Shared builders for end-to-end tests: a tiny random target and a small chat data file."""
+"""Shared builders for end-to-end tests: a tiny random target, a small chat data file, the
+overrides of a short run, and a W&B run log reader."""
 
 from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -42,3 +46,23 @@ def make_chat_jsonl(path: Path, *, num: int = 24, seed: int = 0) -> Path:
                 {"role": "assistant", "content": answer}]}
             f.write(json.dumps(record) + "\n")
     return path
+
+
+def tiny_run_overrides(*, target: Path, data: Path, cache: Path, run_dir: Path) -> list[str]:
+    """Config overrides of a short two-epoch run on a 3-layer ``make_tiny_target`` and a
+    16-sample ``make_chat_jsonl`` (one CPU thread, every step logged, no console/TensorBoard)."""
+    return [f"model.target={target}", f"data.paths=[{data}]", f"run_dir={run_dir}",
+            f"data.cache_dir={cache}", "data.max_length=128", "data.heldout_samples=0",
+            "model.target_layer_ids=[0,1]", "model.dtype=float32", "pipeline.tokens_per_batch=256",
+            "pipeline.num_buckets=2", "pipeline.num_threads=1", "training.num_anchors=4",
+            "training.epochs=2", "logging.every_steps=1", "logging.console=false",
+            "logging.tensorboard=false"]
+
+
+def wandb_records(run_file: Path) -> list[dict[str, Any]]:
+    """The records of a W&B transaction log (``run-ID.wandb``), read by W&B itself
+    (``wandb leet inspect --json``); a log still being written gives the records so far."""
+    wandb_cli = Path(sys.executable).parent / "wandb"
+    out = subprocess.run([str(wandb_cli), "leet", "inspect", "--json", str(run_file)],
+                         capture_output=True, text=True, timeout=120).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]

@@ -70,6 +70,7 @@ def test_smollm2_is_a_plain_hf_folder_and_loads_fast_the_second_time():
     assert not [p for p in folder.parent.iterdir() if ".tmp-" in p.name]
 
 
+@pytest.mark.slow
 def test_converted_smollm2_answers_a_chat_prompt():
     from transformers import AutoModelForCausalLM
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -22,6 +23,7 @@ import gpu_check  # noqa: E402
 from dflash_trainer.model.blocks import dense_block_mask, sample_anchors  # noqa: E402
 from dflash_trainer.model.objective import DFlashObjective  # noqa: E402
 from dflash_trainer.model.target import FeatureExtractor  # noqa: E402
+from helpers_objective import run_objective  # noqa: E402
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -34,6 +36,7 @@ def _fraction(value: float) -> bool:
     return 0.0 <= value <= 1.0 + 1e-9
 
 
+@pytest.mark.slow
 def test_gpu_check_tiny_on_cpu(tmp_path: Path):
     out = tmp_path / "gpu_check.json"
     # One thread: on a shared 2-core machine two OpenMP threads mostly wait for each other.
@@ -96,7 +99,7 @@ def test_step_flops_linear_terms_match_the_flop_counter():
     counter = FlopCounterMode(display=False)
     with counter:
         features = extractor(input_ids, torch.ones_like(input_ids, dtype=torch.bool)).features
-        loss, _ = objective(batch, features, 0)
+        loss, _ = run_objective(objective, batch, features, 0)
         loss.backward()
     counted = counter.get_flop_counts()["Global"]
     flops = gpu_check.step_flops(geom, mean_anchor=float(anchors.float().mean()))
@@ -110,8 +113,9 @@ def test_step_flops_linear_terms_match_the_flop_counter():
                         3 * geom.drafter_layers * 2 * 2 * q_dim * allowed, rel_tol=1e-9)
 
 
+@pytest.mark.slow
 def test_pipeline_benchmark_tiny(tmp_path: Path):
-    target = make_tiny_target(tmp_path / "target", layers=2)
+    target = make_tiny_target(tmp_path / "target", layers=3)
     data = make_chat_jsonl(tmp_path / "chat.jsonl", num=24)
     out = tmp_path / "pipeline.json"
     proc = _run("pipeline.py", "--target", str(target), "--data", str(data), "--cache-dir",
@@ -137,6 +141,7 @@ def test_pipeline_benchmark_tiny(tmp_path: Path):
     assert "tok/s" in proc.stdout
 
 
+@pytest.mark.slow
 def test_attention_benchmark_compares_both_modes_at_small_shapes():
     proc = _run("attention_cpu.py", "--anchors", "4", "--seq-len", "64", "--repeats", "1")
     assert proc.returncode == 0, proc.stderr

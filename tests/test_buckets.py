@@ -1,5 +1,6 @@
 """Batch plan: every sample once, token budget, step-aligned ranks, run bound, determinism."""
 
+import dataclasses
 import functools
 import itertools
 
@@ -53,6 +54,7 @@ SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(plan_inputs())
 def test_plan_properties(inputs):
@@ -94,6 +96,7 @@ def test_plan_properties(inputs):
     assert _flat(again) == _flat(plan)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(plan_inputs())
 def test_new_order_every_epoch(inputs):
@@ -191,3 +194,63 @@ def test_unfillable_ranks_drop_and_report():
 def test_budget_below_longest_sample_is_a_clear_error():
     with pytest.raises(ValueError, match="pipeline.tokens_per_batch .*data.max_length"):
         build_plan(np.array([10, 5000]), PipelineConfig(tokens_per_batch=4096), seed=0, epoch=0)
+
+
+def _steps_key(plan: Plan) -> list[tuple[int, tuple[tuple[int, ...], ...]]]:
+    return [(s.bucket, tuple(tuple(int(i) for i in b) for b in s.batches)) for s in plan.steps]
+
+
+@pytest.mark.slow
+@SETTINGS
+@given(plan_inputs())
+def test_shuffle_order_has_the_same_steps_in_another_order(inputs):
+    lengths, cfg, seed, epoch, world_size, window = inputs
+    plan = _build(*inputs)
+    assume(plan is not None)
+    shuffled_cfg = dataclasses.replace(cfg, order="shuffle")
+    shuffled = _build(lengths, shuffled_cfg, seed, epoch, world_size, window)
+    # Same buckets and packing: the same multiset of steps, and within one bucket even the same
+    # sequence, so the two plans differ only in how the buckets are interleaved.
+    assert sorted(_steps_key(shuffled)) == sorted(_steps_key(plan))
+    for b in range(plan.num_buckets):
+        assert ([k for k in _steps_key(shuffled) if k[0] == b]
+                == [k for k in _steps_key(plan) if k[0] == b])
+    assert shuffled.stats.max_run == shuffled.stats.run_limit == longest_run(
+        [s.bucket for s in shuffled.steps])
+    assert shuffled.dropped.tolist() == plan.dropped.tolist()
+    # Deterministic in (seed, epoch), and a new order every epoch like the interleaved plan.
+    again = _build(lengths, shuffled_cfg, seed, epoch, world_size, window)
+    assert _steps_key(again) == _steps_key(shuffled)
+
+
+def _half_in_one_bucket() -> np.ndarray:
+    # Six buckets; the longest holds 120 of 240 single-sample batches (the other buckets' batches
+    # hold one sample each too, so batches = samples).
+    return np.repeat([60, 120, 180, 240, 300, 500], [24, 24, 24, 24, 24, 120]).astype(np.int64)
+
+
+def test_shuffle_makes_long_same_bucket_runs_and_interleave_bounds_them():
+    lengths = _half_in_one_bucket()
+    base = PipelineConfig(bucket_boundaries=[64, 128, 192, 256, 320], tokens_per_batch=512,
+                          max_batch_size=1, max_run=2)
+    runs = {"interleave": [], "shuffle": []}
+    for seed in range(10):
+        for order in runs:
+            plan = build_plan(lengths, dataclasses.replace(base, order=order), seed=seed, epoch=0)
+            assert plan.stats.steps_per_bucket == (24, 24, 24, 24, 24, 120)
+            runs[order].append(plan.stats.max_run)
+    assert max(runs["interleave"]) <= 2
+    # A uniform shuffle of 240 steps, half of them one bucket, has a longest run of about
+    # log2(240) = 8; every seed here shows at least 5.
+    assert min(runs["shuffle"]) >= 5
+    a = build_plan(lengths, base, seed=0, epoch=0)
+    b = build_plan(lengths, dataclasses.replace(base, order="shuffle"), seed=0, epoch=0)
+    assert [s.bucket for s in a.steps] != [s.bucket for s in b.steps]
+    c = build_plan(lengths, dataclasses.replace(base, order="shuffle"), seed=0, epoch=1)
+    assert [s.bucket for s in c.steps] != [s.bucket for s in b.steps]
+
+
+def test_unknown_order_is_a_clear_error():
+    cfg = PipelineConfig(order="sorted")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="pipeline.order must be"):
+        build_plan(np.array([10, 20]), cfg, seed=0, epoch=0)

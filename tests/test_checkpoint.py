@@ -1,7 +1,9 @@
 """Checkpoint files: atomic, validated, retained, and safe against SIGKILL mid-write."""
 
+import errno
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import torch
 from dflash_trainer.checkpoint import (
     CheckpointError, Checkpointer, SaveRequest, find_resume_checkpoint, load_state,
     resolve_resume, snapshot, validate_checkpoint)
+from dflash_trainer.errors import DiskError
 
 
 def _request(step: int, size: int = 1000) -> SaveRequest:
@@ -74,14 +77,34 @@ def test_corrupt_and_partial_checkpoints_are_skipped(tmp_path: Path, caplog):
 
 
 def test_write_failure_reaches_the_training_thread(tmp_path: Path):
-    def broken_export(path: Path) -> None:
-        raise OSError("disk full")
+    def full_disk(path: Path) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     ck = Checkpointer(tmp_path, keep_last=2, async_save=True)
-    ck.save(SaveRequest(step=1, state={"a": 1}, rank_states={}, export=broken_export))
-    with pytest.raises(CheckpointError):
+    ck.save(SaveRequest(step=1, state={"a": 1}, rank_states={}, export=full_disk))
+    with pytest.raises(DiskError, match=r"cannot write checkpoint .*step-1\.tmp: No space left"):
         ck.wait()
     assert find_resume_checkpoint(tmp_path) is None
+    assert not (tmp_path / "step-1.tmp").exists()
+
+
+def test_a_bug_in_the_writer_is_not_a_user_error(tmp_path: Path):
+    def bug(path: Path) -> None:
+        raise KeyError("oops")
+
+    ck = Checkpointer(tmp_path, keep_last=2, async_save=False)
+    with pytest.raises(KeyError):
+        ck.save(SaveRequest(step=1, state={"a": 1}, rank_states={}, export=bug))
+
+
+def test_stale_tmp_folder_is_removed_at_start_and_never_loaded(tmp_path: Path):
+    Checkpointer(tmp_path, keep_last=2, async_save=False).save(
+        SaveRequest(step=1, state={"a": 1}, rank_states={}, export=None))
+    stale = tmp_path / "step-2.tmp"
+    shutil.copytree(tmp_path / "step-1", stale)
+    assert find_resume_checkpoint(tmp_path) == tmp_path / "step-1"
+    Checkpointer(tmp_path, keep_last=2, async_save=False).close()
+    assert not stale.exists() and (tmp_path / "step-1").is_dir()
 
 
 WRITER = textwrap.dedent("""
@@ -98,13 +121,14 @@ WRITER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sigkill_during_writes_never_breaks_latest(tmp_path: Path):
     rng = random.Random(0)
     script = tmp_path / "writer.py"
     script.write_text(WRITER)
     ckpt = tmp_path / "ckpt"
     last = 0
-    for trial in range(12):
+    for _ in range(12):
         proc = subprocess.Popen([sys.executable, str(script), str(ckpt), str(last)],
                                 stdout=subprocess.PIPE, text=True)
         # Wait for the interpreter to start writing, then kill at a random moment.

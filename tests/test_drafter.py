@@ -14,6 +14,7 @@ from dflash_trainer.model.drafter import (build_drafter, build_drafter_config, c
 from dflash_trainer.model.modeling import dflash as dflash_module
 from dflash_trainer.model.objective import DFlashObjective
 from dflash_trainer.model.target import FeatureExtractor
+from helpers_objective import run_objective
 
 H, V = 64, 256
 
@@ -52,9 +53,9 @@ def test_config_copies_target_dims_unless_overridden():
     assert cfg.num_target_layers == 4 and cfg.block_size == 8 and not cfg.tie_word_embeddings
     over = build_drafter_config(ModelConfig(num_layers=1, intermediate_size=96, num_attention_heads=8,
                                             num_key_value_heads=4, head_dim=8, mask_token_id=3,
-                                            target_layer_ids=[0, 3]), target)
+                                            target_layer_ids=[0, 2]), target)
     assert (over.intermediate_size, over.num_attention_heads, over.num_key_value_heads, over.head_dim) == (96, 8, 4, 8)
-    assert over.dflash_config["target_layer_ids"] == [0, 3] and over.dflash_config["mask_token_id"] == 3
+    assert over.dflash_config["target_layer_ids"] == [0, 2] and over.dflash_config["mask_token_id"] == 3
 
 
 def test_config_errors_are_clear():
@@ -63,6 +64,9 @@ def test_config_errors_are_clear():
         build_drafter_config(ModelConfig(), target)
     with pytest.raises(ValueError, match=r"target_layer_ids \[4\] out of range"):
         build_drafter_config(ModelConfig(target_layer_ids=[0, 4]), target, mask_token_id=1)
+    # The last layer (3) is refused: serving reads it after the final norm, training before.
+    with pytest.raises(ValueError, match=r"target_layer_ids \[3\] out of range.*final norm"):
+        build_drafter_config(ModelConfig(target_layer_ids=[3]), target, mask_token_id=1)
     with pytest.raises(ValueError, match="outside the target's embedding table"):
         build_drafter_config(ModelConfig(), target, mask_token_id=V)
     drafter_cfg = build_drafter_config(ModelConfig(), target, mask_token_id=1)
@@ -72,7 +76,7 @@ def test_config_errors_are_clear():
 
 def test_parameters_are_draft_only_and_fresh():
     torch.manual_seed(0)
-    drafter = build_drafter(ModelConfig(num_layers=2, target_layer_ids=[0, 2, 3]), tiny_llama(), mask_token_id=1)
+    drafter = build_drafter(ModelConfig(num_layers=2, target_layer_ids=[0, 1, 2]), tiny_llama(), mask_token_id=1)
     names = set(drafter.state_dict())
     assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= names
     assert all(n.startswith("layers.") or n in {"fc.weight", "hidden_norm.weight", "norm.weight"} for n in names)
@@ -92,7 +96,7 @@ def test_first_loss_is_near_ln_vocab_with_a_trained_scale_head():
     target = LlamaForCausalLM(tiny_llama(vocab_size=vocab)).eval().requires_grad_(False)
     with torch.no_grad():
         target.model.embed_tokens.weight.normal_(0.0, 0.4)  # row norm ~3.2, as SmolLM2's
-    drafter = build_drafter(ModelConfig(num_layers=1, block_size=8, target_layer_ids=[1, 3]),
+    drafter = build_drafter(ModelConfig(num_layers=1, block_size=8, target_layer_ids=[1, 2]),
                             target.config, mask_token_id=5)
     extractor = FeatureExtractor(target, drafter.target_layer_ids)
     ids = torch.randint(0, vocab, (2, 48))
@@ -104,10 +108,10 @@ def test_first_loss_is_near_ln_vocab_with_a_trained_scale_head():
                                 loss_chunk_size=64)
     features = extractor(ids).features
     with torch.no_grad():
-        loss, _ = objective(batch, features, 0)
+        loss, _ = run_objective(objective, batch, features, 0)
         assert abs(loss.item() - math.log(vocab)) < 0.05 * math.log(vocab)
         drafter.norm.weight.fill_(1.0)  # the plain Qwen3 init
-        unit_loss, _ = objective(batch, features, 0)
+        unit_loss, _ = run_objective(objective, batch, features, 0)
     assert unit_loss.item() > 1.5 * math.log(vocab)
 
 

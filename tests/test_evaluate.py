@@ -24,6 +24,7 @@ from dflash_trainer.model.modeling.dflash import DFlashDraftModel
 from dflash_trainer.model.objective import DFlashObjective
 from dflash_trainer.model.target import FeatureExtractor
 from dflash_trainer.spec_decode import Decoded, first_mismatch, speculative_generate, target_generate
+from helpers_objective import run_objective
 
 BLOCK = 8
 PROMPT_LEN = 8
@@ -35,13 +36,14 @@ def tiny_target(vocab: int = 128, init_range: float = 0.3, seed: int = 0) -> Lla
     """A random target whose greedy continuation does not collapse into one repeated token
     (the default init range 0.02 gives a constant continuation, which any drafter learns)."""
     torch.manual_seed(seed)
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, vocab_size=vocab, tie_word_embeddings=True,
                          max_position_embeddings=512, initializer_range=init_range)
     return LlamaForCausalLM(config).eval().requires_grad_(False)
 
 
-def fresh_drafter(target: LlamaForCausalLM, block: int = BLOCK, mask_id: int = MASK_ID, seed: int = 1) -> DFlashDraftModel:
+def fresh_drafter(target: LlamaForCausalLM, block: int = BLOCK, mask_id: int = MASK_ID,
+                  seed: int = 1) -> DFlashDraftModel:
     torch.manual_seed(seed)
     return build_drafter(ModelConfig(num_layers=1, block_size=block), target.config, mask_token_id=mask_id)
 
@@ -111,11 +113,11 @@ def trained_drafter(target, prompt, greedy) -> DFlashDraftModel:
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     drafter.train()
     for step in range(150):
-        loss, metrics = objective(batch, features, step)
+        loss, metrics = run_objective(objective, batch, features, step)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    tau_sim = float(metrics["accept_sum"] / metrics["blocks"])
+    tau_sim = float(metrics.accepted / metrics.blocks)
     assert tau_sim > BLOCK - 0.5, f"training did not overfit (tau_sim {tau_sim:.2f}, loss {float(loss):.3f})"
     return drafter
 
@@ -178,11 +180,18 @@ def test_exported_drafter_via_automodel_matches_in_project_module(tmp_path, targ
 
 def test_in_training_eval(target, prompt, greedy, trained_drafter):
     other = torch.randint(0, 120, (1, 11), generator=torch.Generator().manual_seed(5))
+    from dflash_trainer.assets import load_tokenizer, resolve_target
+
+    tokenizer = load_tokenizer(resolve_target("smollm2"))  # ids < 128 decode to text too
     evaluator = InTrainingEval(target, [prompt[0].tolist(), other[0].tolist()], max_new_tokens=1 + 3 * BLOCK,
-                               stop_token_ids=[])
+                               stop_token_ids=[], tokenizer=tokenizer, prompt_texts=["p0", "p1"])
     trained_drafter.train()
     before = {k: v.clone() for k, v in trained_drafter.state_dict().items()}
     metrics = evaluator(trained_drafter)
+    # The per-prompt results of the call, with traced, spelled-out answers (for a results file).
+    first = evaluator.last_requests[0].to_json()
+    assert first["prompt_text"] == "p0" and first["trace"][1]["accepted"] == BLOCK - 1
+    assert "".join(e["text"] + e["bonus"] for e in first["trace"]) == first["output"]
     assert trained_drafter.training
     assert all(torch.equal(before[k], v) for k, v in trained_drafter.state_dict().items())
     assert set(metrics) >= {"eval/tau", "eval/acceptance_hist", "eval/lossless", "eval/speedup"}
@@ -195,11 +204,12 @@ def test_in_training_eval(target, prompt, greedy, trained_drafter):
     assert random_metrics["eval/speedup"] > 0
 
 
+@pytest.mark.slow
 def test_sampling_is_lossless_in_distribution():
     """At temperature > 0 the committed tokens follow the target's own sampling distribution
     (rejection sampling): the marginals of generated tokens 2 and 3 match the exact ones."""
     vocab, temperature, runs = 8, 1.0, 500
-    target = tiny_target(vocab=vocab, init_range=0.2, seed=11)
+    target = tiny_target(vocab=vocab, init_range=0.2, seed=12)
     drafter = fresh_drafter(target, block=4, mask_id=7, seed=12)
     prompt = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.no_grad():
@@ -316,3 +326,40 @@ def test_report_roundtrip_of_outputs(tmp_path):
     assert data["tau"] == 2.0 and data["acceptance_hist"] == [0, 1, 0, 0]
     assert data["per_prompt"][0]["lossless"] is True and data["speedup"] == pytest.approx(2.0)
     assert png_path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_acceptance_trace_and_streamed_spans(target, prompt, greedy):
+    """An oracle that drafts the greedy continuation with every 5th position wrong: the trace
+    names each step's drafts and accepted count, the streamed spans equal the final ones and
+    cover the output, and the trace texts spell the answer."""
+    from dflash_trainer.assets import load_tokenizer, resolve_target
+    from dflash_trainer.evaluate import acceptance_trace
+    from dflash_trainer.spec_decode import Span, acceptance_spans
+
+    sequence = prompt[0].tolist() + greedy
+    corrupted = [t if i < PROMPT_LEN or (i - PROMPT_LEN) % 5 != 3 else (t + 1) % 120
+                 for i, t in enumerate(sequence)]
+    oracle = OracleDrafter(fresh_drafter(target).config, corrupted)
+    streamed: list[Span] = []
+    out = speculative_generate(oracle, target, prompt, max_new_tokens=40, stop_token_ids=[], on_span=streamed.append)
+    assert out.tokens == greedy[:40]
+    assert 1 < len(set(out.acceptance_lengths)), out.acceptance_lengths  # partial acceptance happens
+    spans = acceptance_spans(out.tokens, out.acceptance_lengths)
+    assert streamed == spans
+    assert [t for s in spans for t in s.tokens] == out.tokens
+    assert len(out.steps) == len(out.acceptance_lengths)
+    pos = 1
+    for step, span in zip(out.steps, spans[1:]):
+        assert len(step.drafted) == BLOCK - 1 and span.accepted == min(step.accepted, len(span.tokens))
+        shown = span.accepted  # the last step may be cut by max_new_tokens
+        assert step.drafted[:shown] == out.tokens[pos:pos + shown]
+        if step.accepted < BLOCK - 1 and pos + step.accepted < len(out.tokens):
+            assert step.drafted[step.accepted] != out.tokens[pos + step.accepted]  # the first rejected draft
+        pos += len(span.tokens)
+
+    tokenizer = load_tokenizer(resolve_target("smollm2"))
+    trace = acceptance_trace(out, tokenizer)
+    assert [e["step"] for e in trace] == list(range(len(spans)))
+    assert trace[0]["accepted"] == 0 and trace[0]["drafted"] == []
+    assert [e["accepted"] for e in trace[1:]] == [a - 1 for a in out.acceptance_lengths]
+    assert "".join(e["text"] + e["bonus"] for e in trace) == tokenizer.decode(out.tokens, skip_special_tokens=True)

@@ -13,7 +13,9 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig
 
+from dflash_trainer.checkpoint import Checkpointer, SaveRequest
 from dflash_trainer.config import ModelConfig, load_config
+from dflash_trainer.errors import CheckpointError
 from dflash_trainer.model import export
 from dflash_trainer.model.drafter import build_drafter
 
@@ -84,6 +86,7 @@ def test_replaces_a_previous_export_but_not_other_folders(tmp_path):
     assert (other / "notes.txt").read_text() == "keep me"
 
 
+@pytest.mark.slow
 def test_transformers_alone_loads_it_with_no_missing_keys(tmp_path):
     drafter = trained_drafter()
     out = export.export_drafter(drafter, tmp_path / "d", dtype=torch.float32)
@@ -109,18 +112,30 @@ def test_transformers_alone_loads_it_with_no_missing_keys(tmp_path):
     torch.testing.assert_close(torch.load(tmp_path / "hidden.pt"), expected, atol=1e-6, rtol=1e-6)
 
 
-def test_cli_main_from_a_state_dict_checkpoint(tmp_path, capsys):
+def _checkpoint(tmp_path: Path, drafter) -> Path:
+    ck = Checkpointer(tmp_path / "checkpoints", keep_last=2, async_save=False)
+    ck.save(SaveRequest(step=3, state={"step": 3}, rank_states={},
+                        export=lambda folder: export.export_drafter(drafter, folder,
+                                                                    dtype=torch.float32)))
+    return tmp_path / "checkpoints" / "step-3"
+
+
+def test_cli_main_from_a_checkpoint_verifies_its_manifest(tmp_path, capsys):
     drafter = trained_drafter()
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    torch.save(drafter.state_dict(), ckpt / "drafter.pt")
-    (ckpt / "drafter_config.json").write_text(drafter.config.to_json_string())
+    ckpt = _checkpoint(tmp_path, drafter)
     code = export.main(load_config(), argparse.Namespace(checkpoint=str(ckpt), out=str(tmp_path / "out")))
     assert code == 0 and "exported drafter" in capsys.readouterr().out
     loaded = export.load_drafter(tmp_path / "out")
     with torch.no_grad():  # bf16 export: close, not identical
         torch.testing.assert_close(loaded(**inputs()), drafter(**inputs()), atol=0.05, rtol=0.05)
-    with pytest.raises(FileNotFoundError, match="drafter.pt"):
+    weights = ckpt / "drafter" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-8:] = b"\x7f" * 8  # flipped bytes inside the last tensor: same size, wrong checksum
+    weights.write_bytes(bytes(data))
+    for folder in (ckpt, ckpt / "drafter"):
+        with pytest.raises(CheckpointError, match=r"step-3: drafter/model.safetensors does not match its checksum"):
+            export.load_checkpoint_drafter(folder)
+    with pytest.raises(CheckpointError, match="neither a training checkpoint"):
         export.load_checkpoint_drafter(tmp_path)
 
 
@@ -130,5 +145,5 @@ def test_load_reports_missing_weights(tmp_path):
     cfg["num_hidden_layers"] = 3
     cfg["layer_types"] = ["full_attention"] * 3
     (out / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="missing_keys"):
+    with pytest.raises(CheckpointError, match="layers.2.* missing from the file"):
         export.load_drafter(out)

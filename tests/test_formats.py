@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dflash_trainer.data import formats
-from dflash_trainer.data.formats import (Conversation, DataError, ReadStats, Rejected, Source,
+from dflash_trainer.data.formats import (Conversation, DataError, Rejected, Source,
                                          SourceStats, Tokenized, expand_paths, read_records,
                                          read_source)
 
@@ -25,7 +25,7 @@ def _read(path: Path, **kwargs) -> list:
 
 
 def _write_jsonl(path: Path, lines: list) -> Path:
-    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
     return path
 
 
@@ -53,7 +53,8 @@ def test_role_aliases(tmp_path, raw, role):
 def test_openai_text_content_parts_are_joined(tmp_path):
     parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
     path = _write_jsonl(tmp_path / "p.jsonl", [{"messages": [{"role": "user", "content": parts}]}])
-    assert _read(path)[0].messages == [{"role": "user", "content": "Hello"}]
+    # Parts are separate pieces of text: joined with a newline, as vLLM and SGLang do.
+    assert _read(path)[0].messages == [{"role": "user", "content": "Hel\nlo"}]
 
 
 def test_pretokenized_records(tmp_path):
@@ -123,10 +124,11 @@ def test_truncated_json_array_recovers_every_complete_record(tmp_path, monkeypat
     assert len(_read(path, on_error="skip")) == 3
 
 
+@pytest.mark.slow
 def test_embedded_sharegpt_file_is_read_incrementally_and_its_tail_is_truncated():
-    stats = ReadStats()
+    stats: list[SourceStats] = []
     records = list(read_records(expand_paths(["sharegpt"]), stats=stats))
-    (source,) = stats.sources
+    (source,) = stats
     assert source.truncated_tail and source.malformed == 1
     assert source.records - 1 == 17671  # every complete record of the cut-off array
     assert sum(isinstance(r, Conversation) for r in records) == 17545

@@ -11,27 +11,28 @@ from dflash_trainer.model.blocks import build_block_inputs, labels_and_weights, 
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.model.loss import chunked_head_loss, dflash_loss, reference_head_loss
 from dflash_trainer.model.objective import DFlashObjective, noise_scale
+from helpers_objective import run_objective
 
 
 def test_sample_anchors_validity_count_order_and_padding():
     loss_mask = torch.zeros(3, 30, dtype=torch.bool)
     loss_mask[0, 5:] = True
     loss_mask[1, 10:14] = True
-    loss_mask[2, 20:] = True  # real length 24 -> only 20 (= 24 - 4) is valid
+    loss_mask[2, 20:] = True  # real length 24 -> 20..22 (= 24 - 2) are valid
     seq_lens = torch.tensor([30, 30, 24])
     anchors, keep = sample_anchors(loss_mask, 8, 4, torch.Generator().manual_seed(0), seq_lens=seq_lens)
     assert anchors.shape == keep.shape == (3, 8)
-    assert keep.sum(1).tolist() == [8, 4, 1]
+    assert keep.sum(1).tolist() == [8, 3, 3]
     for b in range(3):
         chosen = anchors[b][keep[b]]
         assert torch.all(chosen[1:] > chosen[:-1])  # sorted, distinct
-        assert torch.all(loss_mask[b, chosen]) and torch.all(chosen <= seq_lens[b] - 4)
+        assert torch.all(loss_mask[b, chosen] & loss_mask[b, chosen + 1]) and torch.all(chosen <= seq_lens[b] - 2)
         assert torch.all(anchors[b][~keep[b]] == 0)
-    assert anchors[1][keep[1]].tolist() == [10, 11, 12, 13]
-    assert anchors[2][keep[2]].tolist() == [20]
+    assert anchors[1][keep[1]].tolist() == [10, 11, 12]  # 13 is the span's last supervised token
+    assert anchors[2][keep[2]].tolist() == [20, 21, 22]  # blocks may run past the sample's end
     # N follows the batch: at most the largest valid count.
     small, _ = sample_anchors(loss_mask[1:2], 512, 4, torch.Generator().manual_seed(0))
-    assert small.shape == (1, 4)
+    assert small.shape == (1, 3)
 
 
 def test_sample_anchors_is_reproducible_uniform_and_thread_safe():
@@ -45,8 +46,8 @@ def test_sample_anchors_is_reproducible_uniform_and_thread_safe():
     for _ in range(300):
         a, _ = sample_anchors(loss_mask, 16, 16, gen)
         counts[a[0]] += 1
-    valid = counts[:185]
-    assert counts[185:].sum() == 0 and valid.min() > 0.4 * valid.mean()
+    valid = counts[:199]
+    assert counts[199:].sum() == 0 and valid.min() > 0.4 * valid.mean()
     results = {}
 
     def work(seed: int) -> None:
@@ -140,9 +141,9 @@ def test_batch_without_valid_anchor_gives_zero_loss_not_nan():
     objective = DFlashObjective(drafter, embed, embed, gamma=None, loss_chunk_size=8)
     batch = {"input_ids": torch.randint(0, 256, (2, 10)), "loss_mask": loss_mask, "seq_lens": torch.tensor([10, 10]),
              "anchors": anchors, "keep": keep}
-    loss, metrics = objective(batch, torch.randn(2, 10, 64), 0)
+    loss, metrics = run_objective(objective, batch, torch.randn(2, 10, 64), 0)
     loss.backward()
-    assert loss.item() == 0.0 and metrics["blocks"].item() == 0 and metrics["counted"].item() == 0
+    assert loss.item() == 0.0 and metrics.blocks.item() == 0 and metrics.count.item() == 0
     assert all(torch.isfinite(p.grad).all() for p in drafter.parameters() if p.grad is not None)
 
 
@@ -175,17 +176,18 @@ def test_dflash_loss_metrics():
     hidden[:, :, 1:] = torch.nn.functional.one_hot(predicted, vocab).float() * 5
     weights = torch.tensor([[[1.0, 0.5, 0.25], [1.0, 0.5, 0.0]]])
     keep = torch.tensor([[True, True]])
-    loss, metrics = dflash_loss(hidden.view(1, num * block, vocab), head, labels, weights, keep, chunk_size=2)
+    metrics = dflash_loss(hidden.view(1, num * block, vocab), head, labels, weights, keep, chunk_size=2)
     ce = torch.nn.functional.cross_entropy(hidden[0, :, 1:].reshape(-1, vocab), labels.reshape(-1),
                                            reduction="none")
-    expected = (ce * weights.reshape(-1)).sum() / weights.sum()
-    torch.testing.assert_close(loss, expected)
-    assert metrics["correct"].item() == 3 and metrics["counted"].item() == 5
-    assert metrics["correct_per_slot"].tolist() == [1, 2, 0]
-    assert metrics["count_per_slot"].tolist() == [2, 2, 1]
-    assert metrics["accept_sum"].item() == (1 + 2) + (1 + 0)
-    assert metrics["blocks"].item() == 2
-    torch.testing.assert_close(metrics["weight_sum"], weights.sum())
+    # Sums, not means: the train loop divides by the weight of every rank.
+    torch.testing.assert_close(metrics.loss, (ce * weights.reshape(-1)).sum())
+    torch.testing.assert_close(metrics.mean_loss(), metrics.loss / weights.sum())
+    assert metrics.correct.item() == 3 and metrics.count.item() == 5
+    assert metrics.correct_per_slot.tolist() == [1, 2, 0]
+    assert metrics.count_per_slot.tolist() == [2, 2, 1]
+    assert metrics.accepted.item() == (1 + 2) + (1 + 0)
+    assert metrics.blocks.item() == 2
+    torch.testing.assert_close(metrics.weight, weights.sum())
 
 
 def test_noise_ramp_is_applied_to_the_features():
@@ -208,7 +210,7 @@ def test_noise_ramp_is_applied_to_the_features():
              "anchors": torch.tensor([[10]]), "keep": torch.tensor([[True]])}
     with torch.no_grad():
         for step in (0, 50, 100, 1000):
-            objective(batch, features, step)
+            run_objective(objective, batch, features, step)
     handle.remove()
     stds = [(a - features).std().item() for a in applied]
     assert stds[0] == 0.0
@@ -225,10 +227,10 @@ def test_objective_refuses_flex_training_on_cpu_and_missing_labels():
              "seq_lens": torch.tensor([12]), "anchors": torch.tensor([[2]]), "keep": torch.tensor([[True]])}
     flex = DFlashObjective(drafter, embed, embed, gamma=None, loss_chunk_size=8, attention="flex")
     with pytest.raises(ValueError, match="needs CUDA"):
-        flex(batch, torch.randn(1, 12, 64), 0)
+        run_objective(flex, batch, torch.randn(1, 12, 64), 0)
     greedy = DFlashObjective(drafter, embed, embed, gamma=None, loss_chunk_size=8, labels="target_greedy")
-    with pytest.raises(KeyError, match="target_labels"):
-        greedy(batch, torch.randn(1, 12, 64), 0)
+    with pytest.raises(ValueError, match="target_labels"):
+        run_objective(greedy, batch, torch.randn(1, 12, 64), 0)
     with pytest.raises(ValueError, match="frozen"):
         DFlashObjective(drafter, embed.requires_grad_(True), embed, gamma=None, loss_chunk_size=8)
 
@@ -254,21 +256,21 @@ def test_kl_objective_distils_the_target_distribution_of_position_a_plus_k_minus
     drafter.register_forward_hook(lambda mod, args, out: captured.append(out))
     objective = DFlashObjective(drafter, embed, head, gamma=2.0, loss_chunk_size=5, labels="kl")
     with torch.no_grad():
-        loss, metrics = objective(batch, features, 0)
+        loss, metrics = run_objective(objective, batch, features, 0)
     hidden = captured[0].view(2, 4, 64)[:, 1:].reshape(6, 64)
     prev = torch.tensor([2, 3, 4, 12, 13, 14])  # a + k - 1 for k = 1..3
     weights = slot_weights(4, 2.0).repeat(2)
     total, correct = reference_head_loss(hidden, head, torch.zeros(6, dtype=torch.long), weights,
                                          batch["final_hidden"][0, prev])
     torch.testing.assert_close(loss, total / weights.sum())
-    assert metrics["correct"].item() == int(correct.sum()) and loss.item() > 0
+    assert metrics.correct.item() == int(correct.sum()) and loss.item() > 0
 
 
 def test_objective_under_bf16_autocast_with_a_bf16_target():
     torch.manual_seed(0)
     target = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          intermediate_size=128, vocab_size=256)
-    drafter = build_drafter(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[1]), target, mask_token_id=3)
+    drafter = build_drafter(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[0]), target, mask_token_id=3)
     embed = torch.randn(256, 64).to(torch.bfloat16)
     ids = torch.randint(0, 256, (2, 30))
     loss_mask = torch.ones_like(ids, dtype=torch.bool)
@@ -277,7 +279,7 @@ def test_objective_under_bf16_autocast_with_a_bf16_target():
              "keep": keep}
     objective = DFlashObjective(drafter, embed, embed, gamma=None, loss_chunk_size=16)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, _ = objective(batch, torch.randn(2, 30, 64, dtype=torch.bfloat16), 0)
+        loss, _ = run_objective(objective, batch, torch.randn(2, 30, 64, dtype=torch.bfloat16), 0)
     loss.backward()
     assert torch.isfinite(loss) and drafter.fc.weight.grad.dtype == torch.float32
     assert torch.isfinite(drafter.fc.weight.grad).all() and drafter.fc.weight.grad.norm() > 0
@@ -298,7 +300,7 @@ def test_loss_slots_supervises_only_the_first_slots(labels):
         drafter.zero_grad()
         objective = DFlashObjective(drafter, embed, head, gamma=gamma, loss_chunk_size=7, labels=labels,
                                     loss_slots=loss_slots)
-        loss, metrics = objective(batch, features, 0)
+        loss, metrics = run_objective(objective, batch, features, 0)
         loss.backward()
         return loss, metrics, [p.grad.clone() for p in drafter.parameters()]
 
@@ -309,8 +311,10 @@ def test_loss_slots_supervises_only_the_first_slots(labels):
     torch.testing.assert_close(short_loss, full_loss, rtol=1e-3, atol=1e-4)
     for a, b in zip(short_grads, full_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
-    assert short_metrics["count_per_slot"].shape == (2,)
-    assert short_metrics["counted"].item() == 2 * int(keep.sum())
+    assert short_metrics.count_per_slot.shape == (2,)
+    # Slots past the sequence end (anchors up to seq - 2 are drawn) are not counted.
+    inside = sum(a + k < seq for a in anchors[keep].tolist() for k in (1, 2))
+    assert short_metrics.count.item() == inside
     with pytest.raises(ValueError, match="loss_slots"):
         DFlashObjective(drafter, embed, head, gamma=None, loss_chunk_size=7, loss_slots=6)
 

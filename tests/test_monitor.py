@@ -1,4 +1,4 @@
-"""Monitor: log intervals, queue depths, rates, run totals, cross-rank reduce, final flush."""
+"""Monitor: log intervals, queue depths, rates, run totals, cross-rank combine, final flush."""
 
 import json
 import queue
@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash_trainer.pipeline.metrics import Max, MeanSpread, Min, Ratio, Sum, combine
 from dflash_trainer.pipeline.monitor import Monitor
 from dflash_trainer.trackers import JsonlTracker, Trackers
 
@@ -33,10 +34,10 @@ class TrainStage:
         self.tokens += tokens
         self.samples += samples
 
-    def get_metrics(self) -> dict[str, float]:
-        out = {"train/tokens": float(self.tokens), "train/samples": float(self.samples)}
+    def get_metrics(self) -> dict:
+        out: dict = {"train/tokens": Sum(float(self.tokens)), "train/samples": Sum(float(self.samples))}
         if self.losses:
-            out["train/loss"] = sum(self.losses) / len(self.losses)
+            out["train/loss"] = Ratio(sum(self.losses), len(self.losses))
         self.losses, self.tokens, self.samples = [], 0, 0
         return out
 
@@ -138,30 +139,45 @@ def test_time_trigger_and_final_flush(tmp_path: Path):
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [2, 3]
 
 
-def test_reduce_sees_the_raw_window_and_disables_the_time_trigger(tmp_path: Path):
+def test_gather_sees_the_raw_window_and_disables_the_time_trigger(tmp_path: Path):
     seen = []
 
-    def reduce(window: dict[str, float]) -> dict[str, float]:
-        # What a 2-rank all-reduce would give when both ranks counted the same.
+    def gather(window: dict) -> list[dict]:
+        # A 2-rank all-gather when the other rank counted the same.
         seen.append(dict(window))
-        return {k: (2 * v if k in ("train/tokens", "train/samples") or "dispatched" in k else v)
-                for k, v in window.items()}
+        return [window, dict(window)]
 
     clock = Clock()
     with pytest.warns(UserWarning, match="every_s has no effect"):
         monitor, train, data, _, trackers = build(tmp_path, clock, every_steps=3, every_s=0.1,
-                                                  reduce=reduce)
+                                                  gather=gather)
     train.step(1.0, tokens=100, samples=2)
     data.dispatch(2)
     clock.now += 5
-    assert monitor.maybe_log(1) is None  # time alone never triggers with a reduce
+    assert monitor.maybe_log(1) is None  # time alone never triggers with a gather
     clock.now += 5
     logged = monitor.maybe_log(3)
     trackers.close()
-    assert seen[0]["train/tokens"] == 100 and seen[0]["pipe/queue/batches"] == 0
-    assert logged["perf/tokens_per_s"] == 200 / 10
-    assert logged["data/bucket/2/dispatched"] == 2
-    assert logged["train/tokens_total"] == 200
+    assert seen[0]["train/tokens"] == Sum(100.0) and seen[0]["pipe/queue/batches"] == 0
+    assert logged["perf/tokens_per_s"] == 200 / 10  # Sum: the job's tokens
+    assert logged["data/bucket/2/dispatched"] == 1  # plain: the mean of the ranks
+    assert logged["train/loss"] == 1.0 and logged["train/tokens_total"] == 200
+
+
+def test_combine_applies_each_metrics_rule():
+    ranks = [{"loss": Ratio(6.0, 2.0), "tokens": Sum(10.0), "gmax": Max(3.0), "frac": 0.2,
+              "step_s": MeanSpread(1.0, "spread"), "only0": 5.0, "short": Min(4.0)},
+             {"loss": Ratio(1.0, 8.0), "tokens": Sum(30.0), "gmax": Max(7.0), "frac": 0.4,
+              "step_s": MeanSpread(3.0, "spread"), "short": Min(2.0)}]
+    out = combine(ranks)
+    assert out["loss"] == pytest.approx(7.0 / 10.0)  # over every rank's weight, not mean of means
+    assert out["tokens"] == 40.0 and out["gmax"] == 7.0 and out["frac"] == pytest.approx(0.3)
+    assert out["step_s"] == 2.0 and out["spread"] == 2.0 and out["only0"] == 5.0
+    assert out["short"] == 2.0
+    assert combine([{"empty": Ratio(0.0, 0.0)}]) == {"empty": 0.0}
+    assert "spread" not in combine(ranks[:1])
+    with pytest.raises(TypeError, match="loss"):
+        combine([{"loss": Ratio(1.0, 1.0)}, {"loss": 1.0}])
 
 
 def test_state_dict_keeps_run_totals_across_a_resume(tmp_path: Path):

@@ -18,7 +18,7 @@ def test_optimizer_uses_configured_hyperparameters():
     assert group["betas"] == (0.8, 0.95)
     assert group["eps"] == 1e-6
     assert group["weight_decay"] == 0.01
-    sched = LRSchedule(opt, total_steps=100, cfg=cfg)
+    LRSchedule(opt, total_steps=100, cfg=cfg)  # sets the first warmup LR
     assert group["lr"] == pytest.approx(3e-4 / 4)  # first of 4 warmup steps
 
 

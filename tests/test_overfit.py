@@ -11,6 +11,10 @@ from dflash_trainer.model.blocks import sample_anchors
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.model.objective import DFlashObjective
 from dflash_trainer.model.target import FeatureExtractor
+from helpers_objective import run_objective
+
+# Hundreds of optimizer steps each.
+pytestmark = pytest.mark.slow
 
 VOCAB, BLOCK = 256, 8
 
@@ -40,7 +44,7 @@ def train(objective: DFlashObjective, batch: dict, features: torch.Tensor, steps
     losses = []
     for step in range(steps):
         anchors, keep = sample_anchors(batch["loss_mask"], 16, BLOCK, generator, seq_lens=batch["seq_lens"])
-        loss, _ = objective({**batch, **extra, "anchors": anchors, "keep": keep}, features, step)
+        loss, _ = run_objective(objective, {**batch, **extra, "anchors": anchors, "keep": keep}, features, step)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(objective.drafter.parameters(), 1.0)
@@ -68,10 +72,10 @@ def test_drafter_overfits_a_few_sequences():
     # Every valid anchor at once: per-slot accuracy on the memorised sequences.
     anchors, keep = sample_anchors(loss_mask, seq, BLOCK, torch.Generator(), seq_lens=batch["seq_lens"])
     with torch.no_grad():
-        _, metrics = objective({**batch, "anchors": anchors, "keep": keep}, features, 0)
-    per_slot = metrics["correct_per_slot"].float() / metrics["count_per_slot"].float()
+        _, metrics = run_objective(objective, {**batch, "anchors": anchors, "keep": keep}, features, 0)
+    per_slot = metrics.correct_per_slot.float() / metrics.count_per_slot.float()
     assert per_slot.min() > 0.9, per_slot
-    assert metrics["accept_sum"].item() / metrics["blocks"].item() > 0.8 * BLOCK
+    assert metrics.accepted.item() / metrics.blocks.item() > 0.8 * BLOCK
 
 
 def test_trained_drafter_is_accepted_by_real_speculative_decoding():

@@ -9,8 +9,10 @@ import torch
 
 from dflash_trainer.config import PipelineConfig
 from dflash_trainer.data.buckets import Plan, build_plan
+from dflash_trainer.model.blocks import sample_anchors
 from dflash_trainer.pipeline.batch import Batch
 from dflash_trainer.pipeline.channel import Channel
+from dflash_trainer.pipeline.metrics import combine
 from dflash_trainer.pipeline.prefetch import BatchPrefetcher
 from dflash_trainer.pipeline.stage import Supervisor
 
@@ -147,7 +149,6 @@ def test_collated_batch_matches_the_dataset_and_pads_with_masks_off():
             assert not batch.input_ids[r, n:].any() and not batch.loss_mask[r, n:].any()
             assert batch.attention_mask[r, :n].all() and not batch.attention_mask[r, n:].any()
         assert batch.num_tokens == int(batch.seq_lens.sum())
-        assert batch.num_loss_tokens == int(batch.loss_mask.sum())
         assert batch.anchors.shape == (rows, ANCHORS) and batch.keep.dtype == torch.bool
         picked = batch.loss_mask.gather(1, batch.anchors)
         assert picked[batch.keep].all()
@@ -276,26 +277,29 @@ def test_workers_cannot_run_unboundedly_ahead_of_a_slow_consumer():
     pre.close()
 
 
-def test_metrics_describe_the_consumed_batches():
+def test_metrics_count_dispatched_and_trained_batches():
     plan = plan_for()(0)
     pre, channels = make(ArrayDataset(LENGTHS), plan)
     pre.start()
     batches = drain(channels)[0]
     pre.close()
-    unacknowledged = pre.get_metrics()
-    assert sum(unacknowledged[f"data/bucket/{b}/dispatched"] for b in range(plan.num_buckets)) == 0
+    buckets = range(plan.num_buckets)
+    steps_per_bucket = [float(c) for c in plan.stats.steps_per_bucket]
+    unacknowledged = combine([pre.get_metrics()])
+    assert [unacknowledged[f"data/bucket/{b}/dispatched"] for b in buckets] == steps_per_bucket
+    assert sum(unacknowledged[f"data/bucket/{b}/trained"] for b in buckets) == 0
     assert unacknowledged["pipe/queue/batches0/puts"] == len(plan)
     for batch in batches:
         pre.acknowledge(batch)
-    m = pre.get_metrics()
-    per_bucket = [m[f"data/bucket/{b}/dispatched"] for b in range(plan.num_buckets)]
-    assert per_bucket == [float(c) for c in plan.stats.steps_per_bucket]
+    m = combine([pre.get_metrics()])
+    assert [m[f"data/bucket/{b}/trained"] for b in buckets] == steps_per_bucket
+    assert sum(m[f"data/bucket/{b}/dispatched"] for b in buckets) == 0
     assert m["data/padding_efficiency"] == pytest.approx(plan.stats.padding_efficiency)
     assert m["data/max_same_bucket_run"] == plan.stats.max_run
     assert m["data/seq_len_min"] <= m["data/seq_len_mean"] <= m["data/seq_len_max"]
     assert 0.0 <= m["pipe/prefetch/busy_frac"] <= 1.0
-    again = pre.get_metrics()
-    assert sum(again[f"data/bucket/{b}/dispatched"] for b in range(plan.num_buckets)) == 0
+    again = combine([pre.get_metrics()])
+    assert sum(again[f"data/bucket/{b}/trained"] for b in buckets) == 0
     assert "data/padding_efficiency" not in again
     assert again["pipe/queue/batches0/puts"] == 0
 
@@ -319,15 +323,17 @@ def test_single_plan_or_builder_arguments_are_checked():
 
 
 def test_works_with_the_real_anchor_sampler():
-    blocks = pytest.importorskip("dflash_trainer.model.blocks")
     stop = threading.Event()
     channel = Channel("b", 2, stop)
     pre = BatchPrefetcher(ArrayDataset(LENGTHS), plan_for()(0), rank=0, num_workers=2,
-                          out_channels=[channel], sample_anchors=blocks.sample_anchors,
+                          out_channels=[channel], sample_anchors=sample_anchors,
                           num_anchors=ANCHORS, block_size=BLOCK, seed=0, pin_memory=False,
                           stop=stop)
     pre.start()
     batches = drain([channel])[0]
     pre.close()
+    assert len(batches) == len(plan_for()(0))
     for batch in batches:
-        assert (batch.anchors + BLOCK <= batch.seq_lens[:, None])[batch.keep].all()
+        rows = torch.arange(batch.shape[0])[:, None].expand_as(batch.anchors)
+        assert (batch.anchors < batch.seq_lens[:, None])[batch.keep].all()
+        assert batch.loss_mask[rows[batch.keep], batch.anchors[batch.keep]].all()

@@ -40,14 +40,16 @@ def data(tmp_path):
         _chat("q4", LONG),
     ]
     path = tmp_path / "chats.jsonl"
-    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines))
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
     return path
 
 
 def _cfg(tmp_path, path, *extra):
     return load_config(None, [f"data.paths=[{path}]", f"data.cache_dir={tmp_path / 'cache'}",
                               "data.heldout_samples=2", "data.max_length=200",
-                              "data.on_too_long=drop", "data.on_error=skip", *extra])
+                              "data.on_too_long=drop", "data.on_error=skip",
+                              # The "too short" record has fewer supervised tokens than this.
+                              "data.min_supervised_tokens=32", *extra])
 
 
 def test_build_counts_every_drop_reason_and_stores_the_samples(tmp_path, data, smol):

@@ -143,6 +143,7 @@ def test_recover_output_cuts_partial_line_and_rejects_foreign_lines(tmp_path: Pa
 
 # --- in-process backend -----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_transformers_backend_regenerates_every_turn(
         local_backend: TransformersBackend, smollm2: tuple[Path, Any, Any],
         tmp_path: Path) -> None:
@@ -185,6 +186,7 @@ def test_thinking_switch_reaches_the_chat_template(smollm2: tuple[Path, Any, Any
     assert off[:len(on)] == on and len(off) > len(on)
 
 
+@pytest.mark.slow
 def test_multi_turn_conditions_on_regenerated_answers(
         local_backend: TransformersBackend, tmp_path: Path) -> None:
     cid, source = CONVERSATIONS[1]
@@ -197,6 +199,7 @@ def test_multi_turn_conditions_on_regenerated_answers(
     assert second != greedy_answer(local_backend, with_original)
 
 
+@pytest.mark.slow
 def test_resume_after_crash_writes_each_conversation_once(
         local_backend: TransformersBackend, tmp_path: Path) -> None:
     out = tmp_path / "regen.jsonl"
@@ -334,6 +337,7 @@ def chat_server(smollm2: tuple[Path, Any, Any]):
     thread.join(timeout=10)
 
 
+@pytest.mark.slow
 def test_openai_backend_against_a_real_local_server(
         chat_server: ChatServer, local_backend: TransformersBackend, tmp_path: Path) -> None:
     chat_server.fail_next = 2  # the first requests meet an overloaded server and are retried
@@ -375,6 +379,7 @@ def test_openai_backend_gives_up_after_retries() -> None:
 
 # --- command line -----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_cli_writes_messages_jsonl_that_prepare_reads(
         smollm2: tuple[Path, Any, Any], tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:

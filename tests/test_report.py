@@ -3,6 +3,9 @@
 import json
 import math
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -56,8 +59,10 @@ def run_dir(tmp_path: Path) -> Path:
     run = tmp_path / "run"
     save_config(Config(run_dir=str(run)), run)
     tracker = JsonlTracker(run / "metrics.jsonl")
+    tracker.log({"eval/tau": 1.0, "eval/lossless": 1.0}, 0)  # the untrained drafter
     for step in range(10, 101, 10):
-        tracker.log(synthetic_metrics(step), step)
+        # Ten micro-batches per window, cycling through the three buckets.
+        tracker.log({**synthetic_metrics(step), "data/step_buckets": [(step + i) % 3 for i in range(10)]}, step)
         if step % 50 == 0:
             tracker.log({"eval/tau": 1.5 + step / 100, "eval/acceptance_hist": [5, 3, 2, 1]},
                         step)
@@ -78,6 +83,7 @@ def assert_real_png(path: Path) -> None:
     assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 2, f"{path.name} is a flat image"
 
 
+@pytest.mark.slow
 def test_full_run_report(run_dir: Path):
     index = write_report(run_dir)
     assert index == run_dir / "report" / "index.html"
@@ -103,6 +109,7 @@ def test_queue_plot_shows_depths_only(run_dir: Path):
     assert list(log.family(QUEUE_DEPTH)) == ["batches", "features"]
 
 
+@pytest.mark.slow
 def test_missing_metrics_give_placeholders(tmp_path: Path):
     run = tmp_path / "run"
     tracker = JsonlTracker(run / "metrics.jsonl")
@@ -136,9 +143,87 @@ def test_resume_and_cut_lines_are_resolved_and_reported(tmp_path: Path):
     assert log.rewinds == 1
 
 
+@pytest.mark.slow
 def test_cli_report_command(run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture):
     assert cli_main(["report", str(run_dir)]) == 0
     assert "report written to" in capsys.readouterr().out
     assert (run_dir / "report" / "index.html").is_file()
     assert cli_main(["report", str(tmp_path / "missing")]) == 2
     assert "metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+def traced_request(prompt_id: str) -> dict:
+    """A per_prompt entry as ``dflash-trainer eval`` writes it (see evaluate.acceptance_trace)."""
+    trace = [{"step": 0, "drafted": [], "accepted": 0, "tokens": 1, "text": "", "bonus": "The", "rejected": ""},
+             {"step": 1, "drafted": [5, 6, 7], "accepted": 3, "tokens": 4, "text": " cat sat on",
+              "bonus": " the", "rejected": ""},
+             {"step": 2, "drafted": [8, 9, 9], "accepted": 1, "tokens": 2, "text": " <mat>", "bonus": ".",
+              "rejected": " dog dog"},
+             {"step": 3, "drafted": [1, 2, 3], "accepted": 0, "tokens": 1, "text": "", "bonus": "\n",
+              "rejected": "x y z"}]
+    return {"id": prompt_id, "turn": 0, "prompt_text": "Where did the cat sit?", "tokens": 8, "steps": 3,
+            "tau": 8 / 3, "lossless": True, "trace": trace}
+
+
+@pytest.mark.slow
+def test_first_screen_answers_and_captions(run_dir: Path):
+    folder = run_dir / "eval" / "mtbench-full"
+    folder.mkdir()
+    (folder / "results.json").write_text(json.dumps({
+        "tau": 2.5, "acceptance_hist": [1, 1, 0, 1], "lossless": True,
+        "per_prompt": [traced_request(f"q{i}") for i in range(6)]}))
+    text = write_report(run_dir).read_text()
+    first = text.index("Did it work?")
+    # Untrained (in-training eval at step 0) -> trained (the first eval file), lossless, and the
+    # loss and tau plots side by side before anything else.
+    assert "1.00 \u2192 2.75" in text and "lossless</div><div class='value'>yes" in text
+    assert first < text.index('src="loss.png"') < text.index('src="tau.png"') < text.index("Answers")
+    # Four answers with the accepted spans marked by how many were accepted, the bonus plain.
+    assert text.count("<div class='answer'>") == 4
+    assert ("<span class='acc a2' title='step 1: 3 of 3 drafts accepted; rejected: &#x27;&#x27;'>"
+            " cat sat on</span> the") in text
+    assert "<span class='acc a1'" in text and " &lt;mat&gt;</span>." in text
+    assert "rejected: &#x27; dog dog&#x27;" in text
+    assert "<td>q5</td><td>1</td><td>2.67</td><td>8</td><td>3</td><td>yes</td>" in text  # all six in the table
+    assert "Highlighted: draft tokens the target accepted" in text
+    # Every grid plot says what healthy looks like; the same-bucket run names its bound.
+    assert text.count("Healthy: ") == len(PLOTS)
+    assert "2 (configured max_run 2, order interleave" in text
+
+
+def test_bucket_strip_places_every_micro_batch(tmp_path: Path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"step": 2, "train/loss": 3.0, "data/step_buckets": [0, 1]},
+             {"step": 4, "train/loss": 2.0, "data/step_buckets": [2, 2, 1, 0]},  # grad_accum 2
+             {"step": 6, "train/loss": 1.5},  # an older writer: no list
+             {"step": 8, "train/loss": 1.0, "data/step_buckets": [1, 1]}]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    edges, buckets = read_metrics(path).step_buckets()
+    assert edges == [0, 1, 2, 2.5, 3, 3.5, 4, 6, 7, 8]
+    assert buckets == [0, 1, 2, 2, 1, 0, -1, 1, 1]  # -1: the gap without ids
+    index = write_report(tmp_path)
+    assert_real_png(tmp_path / "report" / "loss.png")
+    assert "Did it work?" in index.read_text()
+
+
+@pytest.mark.skipif(not any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")),
+                    reason="no Chromium-family browser installed")
+@pytest.mark.slow
+def test_report_renders_in_a_headless_browser(run_dir: Path, tmp_path: Path):
+    index = write_report(run_dir)
+    out = tmp_path / "shot.png"
+    script = Path(__file__).resolve().parents[1] / "tools" / "render_report.py"
+    done = subprocess.run([sys.executable, str(script), str(index), str(out), "--width", "1200", "--height", "900"],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert_real_png(out)
+    with Image.open(out) as image:
+        assert image.size == (1200, 900)
+        pixels = np.asarray(image.convert("RGB")).astype(int)
+    # The first screen holds the two headline plots: the left and right halves both carry
+    # drawing, not one column with blank space beside it.
+    lower = pixels[300:900]
+    for half in (lower[:, :600], lower[:, 600:]):
+        assert (half.sum(axis=2) < 600).mean() > 0.01
+    # The green "good" card of the lossless check is rendered (CSS applied).
+    assert ((pixels[..., 0] == 0xf3) & (pixels[..., 1] == 0xfb) & (pixels[..., 2] == 0xf3)).any()

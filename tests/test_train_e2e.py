@@ -11,9 +11,12 @@ import pytest
 from dflash_trainer.cli import main as cli_main
 from helpers_e2e import make_chat_jsonl, make_tiny_target
 
+# Full CLI runs (train, demo with evaluation): about a minute.
+pytestmark = pytest.mark.slow
+
 REQUIRED = ["train/loss", "train/acc", "train/acc_pos/1", "train/acc_pos/15", "train/tau_sim",
             "train/grad_norm", "train/grad_norm_max", "train/lr", "train/skipped_nonfinite",
-            "data/bucket/0/dispatched", "data/seq_len_mean", "data/seq_len_max",
+            "data/bucket/0/dispatched", "data/bucket/0/trained", "data/seq_len_mean", "data/seq_len_max",
             "data/padding_efficiency", "data/max_same_bucket_run", "pipe/queue/batches",
             "pipe/queue/features", "pipe/prefetch/busy_frac", "pipe/target/busy_frac",
             "perf/tokens_per_s", "perf/samples_per_s", "perf/data_wait_frac", "perf/step_time_s",
@@ -53,8 +56,16 @@ def test_train_end_to_end(tiny_setup, tmp_path: Path):
     assert last["train/grad_norm"] > 0
     assert all(0 < r["data/padding_efficiency"] <= 1 for r in records if "data/padding_efficiency" in r)
     steps = last["step"]
-    dispatched = sum(v for k, v in last.items() if k.startswith("data/bucket/") and k.endswith("/dispatched"))
-    assert dispatched == steps
+
+    def per_bucket(kind: str) -> float:
+        return sum(v for k, v in last.items() if k.startswith("data/bucket/") and k.endswith(f"/{kind}"))
+
+    assert per_bucket("trained") == steps and per_bucket("dispatched") == steps
+    # The plan statistics, once per epoch.
+    plans = [r for r in records if "plan/steps" in r]
+    assert [r["plan/epoch"] for r in plans] == [0, 1]
+    assert sum(r["plan/steps"] for r in plans) == steps
+    assert all(r["plan/dropped"] >= 0 and r["plan/run_limit"] >= 1 for r in plans)
     losses = [r["train/loss"] for r in records if "train/loss" in r]
     assert losses[-1] < losses[0]
     # Exported drafter, resolved config, checkpoints and report.

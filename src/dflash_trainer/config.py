@@ -20,9 +20,9 @@ from typing import Any, Literal
 
 import yaml
 
+from dflash_trainer.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A user error in a config file or override; the message names the key."""
+__all__ = ["Config", "ConfigError", "load_config", "save_config"]
 
 
 @dataclass(kw_only=True)
@@ -37,8 +37,9 @@ class DataConfig:
     """Longest tokenized sample, in tokens."""
     on_too_long: Literal["truncate", "drop"] = "truncate"
     """What to do with a sample longer than ``max_length``."""
-    min_supervised_tokens: int | None = None
-    """Drop samples with fewer supervised tokens; default ``2 * model.block_size``."""
+    min_supervised_tokens: int = 2
+    """Drop samples with fewer supervised tokens (counted as ``too_short``). 2 is the least a
+    block needs: an anchor and one label, both supervised and adjacent."""
     on_error: Literal["raise", "skip", "auto"] = "auto"
     """Malformed records: ``raise`` stops at the first, ``skip`` counts them. ``auto`` is
     ``raise`` for user data and ``skip`` for the embedded data set (its file is truncated)."""
@@ -81,9 +82,18 @@ class ModelConfig:
     scores only the context and its own keys, no dense mask), ``sdpa`` (SDPA with a dense
     ``[Q, context + Q]`` mask). ``auto`` is flex on CUDA and blockwise elsewhere."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """Compute dtype: ``auto`` is bf16 autocast on CUDA, float32 on CPU."""
+    """Compute dtype: ``auto`` is bf16 autocast on CUDA; on CPU the faster of float32 and bf16
+    for this target's training step, measured by a short probe at start-up and cached per
+    machine (``dtype-probe.json`` in the user cache directory)."""
     init_from_target: bool = False
     """Initialise drafter layers from the target's last layers where shapes allow."""
+    drafter_init: Literal["random", "target"] = "random"
+    """``random``: fresh initialisation (reference). ``target``: the drafter starts as the
+    target's next layer after the last tapped one (L): ``fc`` selects layer L's features (zero
+    weight on other tapped layers), ``hidden_norm`` is layer L+1's input norm, drafter layer i
+    a copy of target layer L+1+i, the final ``norm`` the target's final norm scaled by 0.2 (same
+    argmax, less confident first predictions); so the first drafter layer's keys/values over
+    the context are layer L+1's. Excludes ``init_from_target``."""
 
 
 @dataclass(kw_only=True)
@@ -123,8 +133,9 @@ class TrainingConfig:
     labels: Literal["data", "target_greedy", "kl"] = "data"
     """``data``: dataset tokens (reference); ``target_greedy``: the target's argmax at each
     position; ``kl``: distil the target's distribution."""
-    loss_chunk_size: int = 1024
-    """Block slots per LM-head/cross-entropy chunk (bounds the logits memory)."""
+    loss_chunk_size: int = 256
+    """Block slots per LM-head/cross-entropy chunk (bounds the logits memory: on CPU 256
+    peaked at 1.01 GiB where 1024 peaked at 1.40 GiB, at the same speed)."""
     noise_std: float = 0.0
     """Hidden-state noise augmentation (EAGLE extension, off in the DFlash recipe)."""
     noise_warmup_steps: int = 0
@@ -147,6 +158,10 @@ class PipelineConfig:
     """Cap on sequences per batch."""
     max_run: int = 2
     """Most consecutive steps from one bucket while another has batches left."""
+    order: Literal["interleave", "shuffle"] = "interleave"
+    """Step order of the bucketed batches: ``interleave`` draws buckets diversity-first within
+    ``max_run``; ``shuffle`` is a plain shuffle of the same batches (for comparison: it lets
+    one large bucket run for several steps; see docs/interleave.md)."""
     prefetch_workers: int = 2
     batch_queue_size: int = 4
     feature_queue_size: int = 2
@@ -235,6 +250,9 @@ def validate(cfg: Config) -> None:
     checks: list[tuple[bool, str]] = [
         (cfg.model.block_size >= 2, "model.block_size must be >= 2"),
         (cfg.model.num_layers >= 1, "model.num_layers must be >= 1"),
+        (not (cfg.model.init_from_target and cfg.model.drafter_init == "target"),
+         "model.init_from_target and model.drafter_init=target both initialise the drafter "
+         "layers from the target; set only one"),
         (cfg.data.max_length > cfg.model.block_size,
          "data.max_length must be larger than model.block_size"),
         (cfg.training.lr > 0, "training.lr must be > 0"),
@@ -293,14 +311,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _coerce(value, arg, key)
-            except ConfigError as exc:
-                errors.append(str(exc))
+            except ConfigError:
+                continue  # the next member may accept it; the error below names them all
         raise ConfigError(f"{key}: expected {' or '.join(_type_name(a) for a in args)}, "
                           f"got {value!r}")
     if origin is Literal:
@@ -382,11 +399,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"--config {str(p)!r} is a folder; give a YAML file (e.g. "
+                              "configs/demo-cpu.yaml)")
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
         try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as exc:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8-sig"))
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"{p}: top level must be a mapping of sections")

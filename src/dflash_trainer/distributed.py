@@ -32,9 +32,9 @@ from torch import nn
 from dflash_trainer.config import DistributedConfig, PipelineConfig
 
 __all__ = ["CollectiveTimer", "DistInfo", "all_reduce_sum", "check_distributed_options",
-           "close_distributed", "full_model_state", "full_optimizer_state", "gradient_sync",
-           "init_distributed", "is_sharded", "load_model_state", "load_optimizer_state",
-           "reduce_metrics", "replicated_value", "resolve_device", "target_load_device",
+           "close_distributed", "full_model_state", "full_optimizer_state", "gather_objects",
+           "gradient_sync", "init_distributed", "is_sharded", "load_model_state",
+           "load_optimizer_state", "replicated_value", "resolve_device", "target_load_device",
            "wrap_drafter", "wrap_target"]
 
 
@@ -332,30 +332,14 @@ class CollectiveTimer:
 # -- metrics -------------------------------------------------------------------------------
 
 
-def reduce_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float]:
-    """Reduce a metrics dict across ranks at log time only (one all-gather of the dicts).
+def gather_objects(obj: Any, info: DistInfo) -> list[Any]:
+    """Every rank's ``obj``, in rank order (one ``all_gather_object``; ``[obj]`` alone).
 
-    Keys ending in ``_max`` take the max; token and sample counters sum (so rates are
-    global); everything else is averaged: per-rank rates and fractions, and values that are
-    equal on every rank (the train loop's loss and accuracies are already global ratios,
-    grad norms and skip counts are global because gradients are reduced, per-rank dispatch
-    counts are equal on step-aligned ranks). A key missing on some ranks is reduced over
-    the ranks that report it. Adds ``perf/step_time_spread_s``, the max minus min over
-    ranks of the mean step time (straggler wait).
+    The monitor gathers each log step's metric window with it and combines the windows by
+    each metric's declared rule (:func:`dflash_trainer.pipeline.metrics.combine`).
     """
     if not info.enabled:
-        return metrics
+        return [obj]
     gathered: list[Any] = [None] * info.world_size
-    dist.all_gather_object(gathered, {k: float(v) for k, v in metrics.items()})
-    out: dict[str, float] = {}
-    for key in sorted(set().union(*gathered)):
-        column = [m[key] for m in gathered if key in m]
-        if key.endswith("_max"):
-            out[key] = max(column)
-        elif key.endswith(("/tokens", "/samples")):
-            out[key] = sum(column)
-        else:
-            out[key] = sum(column) / len(column)
-        if key == "perf/step_time_s":
-            out["perf/step_time_spread_s"] = max(column) - min(column)
-    return out
+    dist.all_gather_object(gathered, obj)
+    return gathered

@@ -15,7 +15,13 @@ benchmark.
 
 Results go to ``RUN_DIR/eval/`` (or ``--out``): ``results.json`` (summary fields at the top
 level, where ``dflash-trainer report`` reads ``tau`` and ``acceptance_hist``, plus a
-``per_prompt`` list) and ``acceptance_hist.png``. :class:`InTrainingEval` is the same
+``per_prompt`` list, each request with its acceptance ``trace``) and ``acceptance_hist.png``.
+
+The trace of a request lists what each step committed: entry 0 is the target's prefill token,
+entry k >= 1 verify step k with ``drafted`` (the drafter's B-1 proposals), ``accepted`` (how
+many the target accepted), ``tokens`` (tokens committed: accepted drafts + the target's own
+token, fewer at a stop), and the texts ``text`` (accepted drafts), ``bonus`` (the target's
+token) and ``rejected`` (the drafts after the accepted ones). :class:`InTrainingEval` is the same
 measurement on a small fixed prompt set for the training loop.
 """
 
@@ -34,13 +40,13 @@ import torch
 from torch import nn
 
 from dflash_trainer.config import Config, save_config
-from dflash_trainer.spec_decode import (Decoded, end_of_turn_ids, first_mismatch, speculative_generate,
-                                        target_generate)
+from dflash_trainer.spec_decode import (Decoded, acceptance_spans, end_of_turn_ids, first_mismatch,
+                                        piece_texts, speculative_generate, target_generate)
 
-__all__ = ["EvalError", "EvalPrompt", "EvalReport", "InTrainingEval", "RequestResult", "decode_request",
-           "evaluate_prompts", "heldout_prompts", "load_prompts", "main", "mtbench_prompts", "print_summary",
-           "prompt_from_messages", "read_prompt_file", "render_prompt", "request_result", "summarize",
-           "write_results"]
+__all__ = ["EvalError", "EvalPrompt", "EvalReport", "InTrainingEval", "RequestResult", "acceptance_trace",
+           "decode_request", "evaluate_prompts", "heldout_prompts", "load_models", "load_prompts", "main",
+           "mtbench_prompts", "print_summary", "prompt_from_messages", "read_prompt_file", "render_prompt",
+           "request_result", "summarize", "write_results"]
 
 
 class EvalError(ValueError):
@@ -85,6 +91,8 @@ class RequestResult:
     """The speculative answer as text (stop tokens removed)."""
     prompt_text: str = ""
     """The user turn of this request."""
+    trace: list[dict[str, Any]] = field(default_factory=list)
+    """Per step: what was drafted and accepted (see the module docstring)."""
 
     @property
     def speedup(self) -> float | None:
@@ -266,6 +274,27 @@ def decode_request(drafter: nn.Module, target: nn.Module, input_ids: torch.Tenso
     return baseline, spec
 
 
+def acceptance_trace(spec: Decoded, tokenizer: Any = None) -> list[dict[str, Any]]:
+    """The acceptance trace of a speculative decode: entry 0 the prefill's token, entry k the
+    k-th verify step (texts only with a ``tokenizer``; ``drafted`` empty if untraced)."""
+    spans = acceptance_spans(spec.tokens, spec.acceptance_lengths)
+    trace: list[dict[str, Any]] = []
+    for k, span in enumerate(spans):
+        step = spec.steps[k - 1] if k and len(spec.steps) >= k else None
+        # The step's own count: a final span cut by max_new_tokens may show fewer of them.
+        accepted = spec.acceptance_lengths[k - 1] - 1 if k else 0
+        trace.append({"step": k, "drafted": step.drafted if step else [], "accepted": accepted,
+                      "tokens": len(span.tokens)})
+    if tokenizer is not None:
+        pieces = [p for span in spans for p in (span.tokens[:span.accepted], span.tokens[span.accepted:])]
+        texts = piece_texts(tokenizer, pieces)
+        for k, (entry, span) in enumerate(zip(trace, spans)):
+            entry["text"], entry["bonus"] = texts[2 * k], texts[2 * k + 1]
+            rejected = entry["drafted"][span.accepted:]
+            entry["rejected"] = tokenizer.decode(rejected, skip_special_tokens=True) if rejected else ""
+    return trace
+
+
 def request_result(prompt: EvalPrompt, turn: int, prompt_tokens: int, baseline: Decoded, spec: Decoded, *,
                    temperature: float, tokenizer: Any = None, stop_token_ids: Sequence[int] = ()) -> RequestResult:
     """Metrics of one request from its two decodes."""
@@ -285,7 +314,7 @@ def request_result(prompt: EvalPrompt, turn: int, prompt_tokens: int, baseline: 
         acceptance_lengths=list(spec.acceptance_lengths), lossless=lossless, first_mismatch=mismatch,
         target_decode_s=baseline.decode_s, spec_decode_s=spec.decode_s,
         target_decode_tokens=baseline.decode_tokens, spec_decode_tokens=spec.decode_tokens,
-        output=output, prompt_text=prompt.turns[turn])
+        output=output, prompt_text=prompt.turns[turn], trace=acceptance_trace(spec, tokenizer))
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -461,18 +490,24 @@ class InTrainingEval:
     speculative decodes. A call returns ``eval/tau``, ``eval/acceptance_hist`` (step counts for
     acceptance lengths 1..B), ``eval/lossless`` (1 if every output equals the target's greedy
     output, else 0), ``eval/speedup`` and ``eval/spec_tokens_per_s``. The drafter is switched
-    to eval mode under ``no_grad`` and returned to its previous mode.
+    to eval mode under ``no_grad`` and returned to its previous mode. :attr:`last_requests`
+    keeps the per-prompt results of the latest call (with texts given a ``tokenizer``), for
+    an evaluation file's ``per_prompt`` list.
     """
 
     def __init__(self, target: nn.Module, inputs: Sequence[Sequence[int]], *, max_new_tokens: int,
-                 stop_token_ids: Sequence[int]) -> None:
+                 stop_token_ids: Sequence[int], tokenizer: Any = None,
+                 prompt_texts: Sequence[str] | None = None) -> None:
         if not inputs or not all(len(ids) > 0 for ids in inputs):
             raise ValueError("InTrainingEval needs at least one non-empty prompt")
         self.target = target
         self.device = next(target.parameters()).device
         self.max_new_tokens = max_new_tokens
         self.stop_token_ids = list(stop_token_ids)
-        self.prompts = [EvalPrompt(id=f"train-eval-{i}", turns=[""]) for i in range(len(inputs))]
+        self.tokenizer = tokenizer
+        texts = list(prompt_texts) if prompt_texts is not None else [""] * len(inputs)
+        self.prompts = [EvalPrompt(id=f"train-eval-{i}", turns=[text]) for i, text in enumerate(texts)]
+        self.last_requests: list[RequestResult] = []
         self.inputs = [torch.tensor([list(ids)], dtype=torch.long, device=self.device) for ids in inputs]
         target_generate(target, self.inputs[0], max_new_tokens=min(max_new_tokens, 8),
                         stop_token_ids=self.stop_token_ids)  # warm-up, not timed
@@ -486,7 +521,8 @@ class InTrainingEval:
         are the tokenizer's end-of-turn ids."""
         inputs = [render_prompt(tokenizer, [{"role": "user", "content": p}], thinking=thinking) for p in prompts]
         stops = end_of_turn_ids(tokenizer, getattr(target, "generation_config", None))
-        return cls(target, inputs, max_new_tokens=max_new_tokens, stop_token_ids=stops)
+        return cls(target, inputs, max_new_tokens=max_new_tokens, stop_token_ids=stops, tokenizer=tokenizer,
+                   prompt_texts=prompts)
 
     @classmethod
     def from_config(cls, cfg: Config, target: nn.Module, tokenizer: Any) -> InTrainingEval:
@@ -508,7 +544,9 @@ class InTrainingEval:
             for prompt, ids, baseline in zip(self.prompts, self.inputs, self.baselines):
                 spec = speculative_generate(module, self.target, ids, max_new_tokens=self.max_new_tokens,
                                             stop_token_ids=self.stop_token_ids)
-                requests.append(request_result(prompt, 0, ids.shape[1], baseline, spec, temperature=0.0))
+                requests.append(request_result(prompt, 0, ids.shape[1], baseline, spec, temperature=0.0,
+                                               tokenizer=self.tokenizer, stop_token_ids=self.stop_token_ids))
+        self.last_requests = requests
         s = summarize(requests, block_size=int(module.block_size), temperature=0.0)
         nan = float("nan")
         return {"eval/tau": s["tau"] if s["tau"] is not None else nan,
@@ -521,9 +559,33 @@ class InTrainingEval:
 # --- command --------------------------------------------------------------------------------
 
 def _dtype(cfg: Config, device: torch.device) -> torch.dtype:
-    if cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return torch.float32
+    from dflash_trainer.dtypes import config_dtype
+
+    return config_dtype(cfg.model, device)
+
+
+def load_models(cfg: Config, drafter_dir: Path) -> tuple[nn.Module, nn.Module, Any, Path]:
+    """(drafter, target, tokenizer, target folder) for ``cfg`` on its device and dtype.
+
+    Raises :class:`EvalError` when ``drafter_dir`` is not an exported drafter; asset and
+    compatibility errors propagate (``AssetError``, ``ValueError``).
+    """
+    from dflash_trainer.assets import resolve_target
+    from dflash_trainer.distributed import resolve_device
+    from dflash_trainer.model.drafter import check_compatible
+    from dflash_trainer.model.export import load_drafter
+    from dflash_trainer.model.target import load_target
+
+    if not (drafter_dir / "config.json").is_file():
+        raise EvalError(f"--drafter {drafter_dir}: no config.json there; pass a folder written by "
+                        "`dflash-trainer export` (or the run's drafter/ folder)")
+    device = resolve_device(cfg.pipeline)
+    dtype = _dtype(cfg, device)
+    target_path = resolve_target(cfg.model.target)
+    target, tokenizer = load_target(str(target_path), device=device, dtype=dtype)
+    drafter = load_drafter(drafter_dir, dtype=dtype).to(device).eval()
+    check_compatible(drafter.config, target.config)
+    return drafter, target, tokenizer, target_path
 
 
 def main(cfg: Config, args: argparse.Namespace) -> int:
@@ -532,30 +594,17 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     Exit status: 0 when every greedy output equals the target's, 1 on a lossless failure,
     2 on a user error (missing drafter, bad prompt file, incompatible drafter).
     """
-    from dflash_trainer.assets import AssetError, resolve_target
-    from dflash_trainer.distributed import resolve_device
-    from dflash_trainer.model.drafter import check_compatible
-    from dflash_trainer.model.export import load_drafter
-    from dflash_trainer.model.target import load_target
-
-    def fail(message: str) -> int:
-        print(f"dflash-trainer eval: error: {message}", file=sys.stderr)
-        return 2
+    from dflash_trainer.assets import AssetError
 
     drafter_dir = Path(args.drafter)
-    if not (drafter_dir / "config.json").is_file():
-        return fail(f"--drafter {drafter_dir}: no config.json there; pass a folder written by "
-                    "`dflash-trainer export` (or the run's drafter/ folder)")
     try:
         prompts = load_prompts(cfg)
-        device = resolve_device(cfg.pipeline)
-        dtype = _dtype(cfg, device)
-        target_path = resolve_target(cfg.model.target)
-        target, tokenizer = load_target(str(target_path), device=device, dtype=dtype)
-        drafter = load_drafter(drafter_dir, dtype=dtype).to(device).eval()
-        check_compatible(drafter.config, target.config)
+        drafter, target, tokenizer, target_path = load_models(cfg, drafter_dir)
     except (EvalError, AssetError, ValueError) as exc:
-        return fail(str(exc))
+        print(f"dflash-trainer eval: error: {exc}", file=sys.stderr)
+        return 2
+    param = next(target.parameters())
+    device, dtype = param.device, param.dtype
     torch.manual_seed(cfg.training.seed)
     out_dir = Path(args.out) if args.out else Path(cfg.run_dir) / "eval"
     print(f"eval: drafter {drafter_dir} on target {target_path} ({device}, {str(dtype).removeprefix('torch.')}), "

@@ -1,10 +1,16 @@
 """``dflash-trainer report RUN_DIR``: plots and an index.html from a run's own files.
 
-Reads ``metrics.jsonl`` (written by the JSONL tracker), ``eval/*.json`` (final evaluations:
-``tau``, ``acceptance_hist`` = counts for acceptance lengths 1..B, per-prompt results) and
-``config.yaml``; writes ``report/*.png`` and ``report/index.html``. A metric the run did not
-log gives a "no data" plot, not an error. Figures are drawn without pyplot, so the
-process-wide pyplot backend is left alone.
+Reads ``metrics.jsonl`` (written by the JSONL tracker), ``eval/*.json`` and
+``eval/*/results.json`` (final evaluations: ``tau``, ``acceptance_hist`` = counts for
+acceptance lengths 1..B, per-prompt results with their acceptance traces) and ``config.yaml``;
+writes ``report/*.png`` and ``report/index.html``.
+
+The page opens with the answer to "did it work?": tau before and after training, the
+lossless check, and the loss (with the length bucket of every step underneath) and tau
+curves side by side. Then a few evaluated answers with the accepted draft tokens
+highlighted, a per-prompt table, and the remaining plots in a grid, each captioned with
+what a healthy curve looks like. A metric the run did not log gives a "no data" plot, not
+an error. Figures are drawn without pyplot, so the process-wide pyplot backend is left alone.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import matplotlib
+import yaml
+from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.figure import Figure
 
 from dflash_trainer.config import Config
@@ -73,6 +81,28 @@ class MetricsLog:
             if key in record:
                 return record[key]
         return None
+
+    def step_buckets(self) -> tuple[list[float], list[int]]:
+        """(edges, buckets) of every logged micro-batch (``data/step_buckets``): micro-batch i
+        spans steps ``edges[i]..edges[i + 1]``; a window's micro-batches share its steps evenly."""
+        edges: list[float] = []
+        buckets: list[int] = []
+        previous = 0
+        for record in self.records:
+            values = record.get("data/step_buckets")
+            step = record["step"]
+            if isinstance(values, list) and values and step > previous:
+                if not edges or edges[-1] != previous:
+                    if edges:  # a gap (windows without the list): no colour there
+                        edges.append(float(previous))
+                        buckets.append(-1)
+                    else:
+                        edges.append(float(previous))
+                width = (step - previous) / len(values)
+                edges.extend(previous + width * (i + 1) for i in range(len(values)))
+                buckets.extend(int(v) for v in values)
+            previous = step
+        return edges, buckets
 
 
 def _natural_key(text: str) -> tuple:
@@ -128,6 +158,15 @@ class EvalResult:
         return float(tau) if isinstance(tau, (int, float)) else None
 
     @property
+    def traced_requests(self) -> list[dict[str, Any]]:
+        """``per_prompt`` entries that carry an acceptance trace with texts."""
+        requests = self.data.get("per_prompt")
+        if not isinstance(requests, list):
+            return []
+        return [r for r in requests if isinstance(r, dict) and isinstance(r.get("trace"), list)
+                and r["trace"] and all(isinstance(e, dict) and "text" in e for e in r["trace"])]
+
+    @property
     def acceptance_hist(self) -> list[float] | None:
         hist = self.data.get("acceptance_hist")
         if isinstance(hist, list) and hist and all(isinstance(c, (int, float)) for c in hist):
@@ -141,16 +180,19 @@ def read_evals(eval_dir: Path) -> tuple[list[EvalResult], list[str]]:
     skipped: list[str] = []
     if not eval_dir.is_dir():
         return results, skipped
-    for path in sorted(eval_dir.glob("*.json")):
+    paths = [(path.stem, path) for path in sorted(eval_dir.glob("*.json"))]
+    paths += [(path.parent.name, path) for path in sorted(eval_dir.glob("*/results.json"))]
+    for name, path in paths:
+        shown = path.relative_to(eval_dir)
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
-            skipped.append(f"{path.name}: not readable JSON ({exc})")
+            skipped.append(f"{shown}: not readable JSON ({exc})")
             continue
         if not isinstance(data, dict) or ("tau" not in data and "acceptance_hist" not in data):
-            skipped.append(f"{path.name}: no 'tau' or 'acceptance_hist' field")
+            skipped.append(f"{shown}: no 'tau' or 'acceptance_hist' field")
             continue
-        results.append(EvalResult(name=path.stem, data=data))
+        results.append(EvalResult(name=name, data=data))
     return results, skipped
 
 
@@ -243,10 +285,11 @@ def _plot_tau(path: Path, log: MetricsLog, evals: list[EvalResult]) -> None:
         ax.plot(*sim, label="train/tau_sim (simulated, training batches)")
     if ev[0]:
         ax.plot(*ev, marker="o", linestyle="--", label="eval/tau (in training)")
-    for name, tau in finals:
-        ax.axhline(tau, linestyle=":", color="gray")
-        ax.annotate(f"{name}: {tau:.2f}", (0.01, tau), xycoords=("axes fraction", "data"),
-                    fontsize=8, va="bottom")
+    greys = ("#555555", "#999999", "#bbbbbb")
+    for i, (name, tau) in enumerate(finals):
+        # In the legend, not as text on the line: final evals often sit at the same tau.
+        ax.axhline(tau, linestyle=(0, (1, 1 + i)), color=greys[i % len(greys)],
+                   label=f"eval/{name} (final): {tau:.2f}")
     ax.legend(fontsize=8)
     fig.savefig(path)
 
@@ -277,6 +320,43 @@ def _plot_acceptance(path: Path, log: MetricsLog, evals: list[EvalResult]) -> No
     fig.savefig(path)
 
 
+def _plot_loss(path: Path, log: MetricsLog, evals: list[EvalResult]) -> None:
+    """The training loss, and under it a strip with the length bucket of every micro-batch."""
+    steps, values = log.series("train/loss")
+    if not steps:
+        _no_data(path, "Training loss", "train/loss")
+        return
+    fig = Figure(figsize=(7.0, 4.4), dpi=100, layout="constrained")
+    ax, strip = fig.subplots(2, 1, sharex=True, height_ratios=[6, 1])
+    ax.plot(steps, values, marker="." if len(steps) < 50 else None)
+    ax.set_title("Training loss")
+    ax.set_ylabel("loss")
+    ax.grid(True, alpha=0.3)
+    _maybe_log_scale(ax, values)
+    edges, buckets = log.step_buckets()
+    strip.set_yticks([])
+    strip.set_xlabel("step")
+    strip.set_ylabel("bucket", rotation=0, ha="right", va="center")
+    if not buckets:
+        strip.text(0.5, 0.5, "no per-step bucket ids (data/step_buckets) in metrics.jsonl",
+                   ha="center", va="center", fontsize=8, color="gray", transform=strip.transAxes)
+        fig.savefig(path)
+        return
+    count = max(buckets) + 1
+    palette = matplotlib.colormaps["tab10"]
+    colours = ["#ffffff"] + [palette(i % 10) for i in range(count)]
+    norm = BoundaryNorm([b - 0.5 for b in range(-1, count + 1)], len(colours))
+    strip.pcolormesh(edges, [0, 1], [buckets], cmap=ListedColormap(colours), norm=norm)
+    from matplotlib.patches import Patch
+
+    labels = [f"{b}" + (" shortest" if b == 0 and count > 1 else " longest" if b == count - 1 and count > 1
+                         else "") for b in range(count)]
+    strip.legend([Patch(color=colours[b + 1]) for b in range(count)], labels, loc="upper center",
+                 bbox_to_anchor=(0.5, -0.9), ncol=min(count, 8), fontsize=7, frameon=False,
+                 handlelength=1.0, columnspacing=1.0)
+    fig.savefig(path)
+
+
 @dataclass(kw_only=True)
 class Plot:
     """One image of the report."""
@@ -284,6 +364,8 @@ class Plot:
     file: str
     title: str
     draw: Callable[[Path, MetricsLog, list[EvalResult]], None]
+    healthy: str = ""
+    """One line: what a healthy curve looks like."""
 
 
 def _simple(title: str, keys: dict[str, str], *, ylabel: str = "", logy: bool = False
@@ -310,34 +392,51 @@ def _utilization(path: Path, log: MetricsLog, evals: list[EvalResult]) -> None:
 
 
 PLOTS: list[Plot] = [
-    Plot(file="loss.png", title="Loss", draw=_simple("Training loss", {"loss": "train/loss"},
-                                                     ylabel="loss", logy=True)),
+    Plot(file="loss.png", title="Loss", draw=_plot_loss,
+         healthy="Falls fast, then slowly. The strip shows the length bucket of each step: a jump that "
+                 "lines up with a bucket change is a length effect, not instability."),
+    Plot(file="tau.png", title="Acceptance length", draw=_plot_tau,
+         healthy="Rises above 1.0 (1.0 = no draft accepted); tau_sim estimates it on training batches, "
+                 "eval tau measures real speculative decoding."),
     Plot(file="acc_pos.png", title="Accuracy per block slot",
-         draw=lambda p, log, e: _plot_acc_pos(p, log)),
+         draw=lambda p, log, e: _plot_acc_pos(p, log),
+         healthy="Every slot rises; slot 1 highest, later slots lower (they draft further ahead)."),
     Plot(file="grad_norm.png", title="Gradient norm",
-         draw=lambda p, log, e: _plot_grad_norm(p, log)),
+         draw=lambda p, log, e: _plot_grad_norm(p, log),
+         healthy="Settles after warm-up; isolated spikes are fine, a steady climb or red lines "
+                 "(non-finite steps) are not."),
     Plot(file="lr.png", title="Learning rate",
-         draw=_simple("Learning rate", {"lr": "train/lr"}, ylabel="lr")),
+         draw=_simple("Learning rate", {"lr": "train/lr"}, ylabel="lr"),
+         healthy="The configured schedule: a short warm-up, then constant or decaying."),
     Plot(file="tokens_per_s.png", title="Throughput",
-         draw=_simple("Throughput", {"tokens/s": "perf/tokens_per_s"}, ylabel="tokens/s")),
+         draw=_simple("Throughput", {"tokens/s": "perf/tokens_per_s"}, ylabel="tokens/s"),
+         healthy="Flat after the first windows; dips are windows where the pipeline waited or an "
+                 "evaluation ran."),
     Plot(file="padding_efficiency.png", title="Padding efficiency",
          draw=_simple("Padding efficiency (real / padded tokens)",
-                      {"padding efficiency": "data/padding_efficiency"}, ylabel="fraction")),
+                      {"padding efficiency": "data/padding_efficiency"}, ylabel="fraction"),
+         healthy="Close to 1: length buckets keep padding low."),
     Plot(file="seq_len.png", title="Sequence length",
          draw=_simple("Sequence length per batch",
                       {"mean": "data/seq_len_mean", "max": "data/seq_len_max"},
-                      ylabel="tokens")),
+                      ylabel="tokens"),
+         healthy="Varies with the buckets the window trained on; no trend over the run."),
     Plot(file="buckets.png", title="Batches per bucket",
          draw=_family("Batches dispatched per bucket (cumulative)",
                       r"data/bucket/(\d+)/dispatched", "data/bucket/{i}/dispatched",
-                      ylabel="batches", prefix="bucket ")),
+                      ylabel="batches", prefix="bucket "),
+         healthy="Straight lines: every bucket is drawn at a steady rate, in proportion to its size."),
     Plot(file="queues.png", title="Queue depths",
          draw=_family("Channel depth at log time", QUEUE_DEPTH, "pipe/queue/{channel}",
-                      ylabel="items")),
-    Plot(file="utilization.png", title="Pipeline utilization", draw=_utilization),
-    Plot(file="tau.png", title="Acceptance length", draw=_plot_tau),
-    Plot(file="acceptance_hist.png", title="Acceptance histogram", draw=_plot_acceptance),
+                      ylabel="items"),
+         healthy="Queues not empty: the stages before the drafter keep up with it."),
+    Plot(file="utilization.png", title="Pipeline utilization", draw=_utilization,
+         healthy="Data wait of the train loop near 0; the target stage busy, the prefetcher mostly idle."),
+    Plot(file="acceptance_hist.png", title="Acceptance histogram", draw=_plot_acceptance,
+         healthy="Mass moves right with training: more verify steps commit several tokens."),
 ]
+HEADLINE = ("loss.png", "tau.png")
+"""Plots on the first screen, side by side; the others go to the grid."""
 
 
 # --- summary and html ----------------------------------------------------------------------
@@ -358,8 +457,10 @@ def _duration(seconds: float | None) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}"
 
 
-def summarize(log: MetricsLog, evals: list[EvalResult]) -> list[tuple[str, str]]:
-    """(label, value) rows of the run summary."""
+def summarize(log: MetricsLog, evals: list[EvalResult],
+              config: dict[str, Any] | None = None) -> list[tuple[str, str]]:
+    """(label, value) rows of the run summary; ``config`` (the run's config.yaml) names the
+    configured bound next to the measured same-bucket run."""
     final_taus = [(e.name, e.tau) for e in evals if e.tau is not None]
     if len(final_taus) == 1:
         eval_tau = _fmt(final_taus[0][1])
@@ -371,6 +472,12 @@ def summarize(log: MetricsLog, evals: list[EvalResult]) -> list[tuple[str, str]]
             else log.last_time - log.first_time)
     skipped = sum(log.series("train/skipped_nonfinite")[1])
     runs = log.series("data/max_same_bucket_run")[1]
+    pipeline = (config or {}).get("pipeline") or {}
+    longest = _fmt(max(runs) if runs else None, "{:.0f}")
+    if "max_run" in pipeline:
+        longest += (f" (configured max_run {pipeline['max_run']}, order "
+                    f"{pipeline.get('order', 'interleave')}; larger only when one bucket holds "
+                    f"most batches)")
     rows = [
         ("steps", _fmt(log.records[-1]["step"] if log.records else None, "{:d}")),
         ("tokens", _fmt(log.last("train/tokens_total"), "{:,.0f}")),
@@ -382,7 +489,7 @@ def summarize(log: MetricsLog, evals: list[EvalResult]) -> list[tuple[str, str]]
         ("eval tau", eval_tau),
         ("tokens/s (last window)", _fmt(log.last("perf/tokens_per_s"), "{:,.0f}")),
         ("steps skipped (non-finite)", _fmt(skipped, "{:.0f}")),
-        ("longest same-bucket run", _fmt(max(runs) if runs else None, "{:.0f}")),
+        ("longest same-bucket run", longest),
     ]
     if log.rewinds:
         rows.append(("resumes that re-ran logged steps", str(log.rewinds)))
@@ -393,10 +500,139 @@ def summarize(log: MetricsLog, evals: list[EvalResult]) -> list[tuple[str, str]]
     return rows
 
 
+@dataclass(kw_only=True)
+class Verdict:
+    """The first screen's numbers: tau before and after training, and the lossless check."""
+
+    untrained_tau: float | None
+    trained_tau: float | None
+    trained_source: str
+    lossless: bool | None
+    lossless_source: str
+
+
+def verdict(log: MetricsLog, evals: list[EvalResult]) -> Verdict:
+    """Untrained tau: an eval file's ``untrained_tau`` (the demo) or the in-training eval at step
+    0. Trained tau: the first eval file's ``tau``, else the last in-training eval. Lossless:
+    every eval file (and the in-training evals) identical to the target's greedy output."""
+    untrained = next((float(e.data["untrained_tau"]) for e in evals
+                      if isinstance(e.data.get("untrained_tau"), (int, float))), None)
+    steps, taus = log.series("eval/tau")
+    if untrained is None and steps and steps[0] == 0:
+        untrained = taus[0]
+    final = next((e for e in evals if e.tau is not None), None)
+    if final is not None:
+        trained, source = final.tau, f"eval/{final.name}"
+    elif steps and steps[-1] > 0:
+        trained, source = taus[-1], f"in-training eval, step {steps[-1]}"
+    else:
+        trained, source = None, "no evaluation"
+    checks = [bool(v) for e in evals for k, v in e.data.items()
+              if k in ("lossless", "untrained_lossless") and isinstance(v, bool)]
+    sources = [f"eval/{e.name}" for e in evals if isinstance(e.data.get("lossless"), bool)]
+    if not checks:
+        checks = [bool(v) for v in log.series("eval/lossless")[1]]
+        sources = ["in-training evals"] if checks else []
+    return Verdict(untrained_tau=untrained, trained_tau=trained, trained_source=source,
+                   lossless=all(checks) if checks else None,
+                   lossless_source=", ".join(sources) or "not checked")
+
+
 def _table(rows: Iterable[tuple[str, str]]) -> str:
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
                    for k, v in rows)
     return f"<table>{body}</table>"
+
+
+def _card(label: str, value: str, note: str, css: str = "") -> str:
+    return (f"<div class='card {css}'><div class='label'>{html.escape(label)}</div>"
+            f"<div class='value'>{html.escape(value)}</div><div class='note'>{html.escape(note)}</div></div>")
+
+
+def _first_screen(log: MetricsLog, evals: list[EvalResult]) -> str:
+    v = verdict(log, evals)
+    tau = f"{_fmt(v.untrained_tau, '{:.2f}')} \u2192 {_fmt(v.trained_tau, '{:.2f}')}"
+    gained = (v.trained_tau is not None and v.untrained_tau is not None
+              and v.trained_tau > v.untrained_tau)
+    lossless = {True: "yes", False: "NO", None: "not checked"}[v.lossless]
+    steps = log.records[-1]["step"] if log.records else None
+    wall = (None if log.first_time is None or log.last_time is None
+            else log.last_time - log.first_time)
+    cards = [
+        _card("acceptance length tau, untrained \u2192 trained", tau,
+              f"tokens per target forward; 1.0 = no draft accepted ({v.trained_source})",
+              "good" if gained else "bad" if v.trained_tau is not None else ""),
+        _card("lossless", lossless, f"speculative output identical to the target's greedy output "
+              f"({v.lossless_source})", {True: "good", False: "bad", None: ""}[v.lossless]),
+        _card("training", f"{_fmt(steps, '{:d}')} steps",
+              f"{_duration(wall)} wall time, final loss {_fmt(log.last('train/loss'))}"),
+    ]
+    figures = "".join(_figure_html(p) for p in PLOTS if p.file in HEADLINE)
+    return (f"<h2>Did it work?</h2><div class='cards'>{''.join(cards)}</div>"
+            f"<div class='pair'>{figures}</div>")
+
+
+def _figure_html(plot: Plot) -> str:
+    return (f'<figure><img src="{html.escape(plot.file)}" alt="{html.escape(plot.title)}">'
+            f"<figcaption><b>{html.escape(plot.title)}.</b> Healthy: {html.escape(plot.healthy)}"
+            f"</figcaption></figure>")
+
+
+ACCEPT_LEVELS = ((2, "a1"), (5, "a2"), (9, "a3"), (None, "a4"))
+"""Highlight classes by accepted drafts in one step: 1-2, 3-5, 6-9, 10 or more."""
+
+
+def _accept_class(accepted: int) -> str:
+    return next(css for upper, css in ACCEPT_LEVELS if upper is None or accepted <= upper)
+
+
+def _answer_html(request: dict[str, Any]) -> str:
+    parts = []
+    for entry in request["trace"]:
+        text, bonus = str(entry.get("text", "")), str(entry.get("bonus", ""))
+        accepted = int(entry.get("accepted", 0))
+        if text:
+            tip = (f"step {entry.get('step')}: {accepted} of {len(entry.get('drafted') or [])} drafts "
+                   f"accepted; rejected: {entry.get('rejected', '')!r}")
+            parts.append(f"<span class='acc {_accept_class(accepted)}' title='{html.escape(tip)}'>"
+                         f"{html.escape(text)}</span>")
+        parts.append(html.escape(bonus))
+    return "".join(parts)
+
+
+def _legend() -> str:
+    items = []
+    lower = 1
+    for upper, css in ACCEPT_LEVELS:
+        label = f"{lower}+" if upper is None else f"{lower}-{upper}"
+        items.append(f"<span class='acc {css}'>&nbsp;{label}&nbsp;</span>")
+        lower = (upper or lower) + 1
+    return ("<p class='legend'>Highlighted: draft tokens the target accepted, darker for more "
+            f"accepted in one verify step: {' '.join(items)}. Plain: the token the target produced "
+            "itself at each step (the prefill's first token, and the bonus after each verify). "
+            "Hover a span for its step and the rejected drafts.</p>")
+
+
+def _prompts_section(evals: list[EvalResult], shown: int = 4) -> str:
+    source = next((e for e in evals if e.traced_requests), None)
+    if source is None:
+        return ("<h2>Answers</h2><p>No per-prompt acceptance traces in eval/ "
+                "(<code>dflash-trainer eval --drafter RUN/drafter --out RUN/eval/NAME</code> writes them).</p>")
+    requests = source.traced_requests
+    answers = "".join(
+        f"<div class='answer'><div class='q'>{html.escape(str(r.get('id')))}, turn {int(r.get('turn', 0)) + 1}: "
+        f"{html.escape(str(r.get('prompt_text', ''))[:300])}</div>"
+        f"<div class='a'>{_answer_html(r)}</div></div>" for r in requests[:shown])
+    rows = "".join(
+        f"<tr><td>{html.escape(str(r.get('id')))}</td><td>{int(r.get('turn', 0)) + 1}</td>"
+        f"<td>{_fmt(r.get('tau'), '{:.2f}')}</td><td>{_fmt(r.get('tokens'), '{:d}')}</td>"
+        f"<td>{_fmt(r.get('steps'), '{:d}')}</td>"
+        f"<td>{ {True: 'yes', False: 'NO', None: '-'}.get(r.get('lossless'), '-') }</td></tr>"
+        for r in requests)
+    table = ("<table><tr><th>prompt</th><th>turn</th><th>tau</th><th>tokens</th><th>verify steps</th>"
+             f"<th>lossless</th></tr>{rows}</table>")
+    return (f"<h2>Answers</h2><p>The first {min(shown, len(requests))} of {len(requests)} answers of "
+            f"eval/{html.escape(source.name)}.</p>{_legend()}{answers}<h3>Per prompt</h3>{table}")
 
 
 def _eval_section(evals: list[EvalResult], skipped: list[str]) -> str:
@@ -418,24 +654,36 @@ def _eval_section(evals: list[EvalResult], skipped: list[str]) -> str:
     return "".join(parts) or "<p>No eval results in eval/.</p>"
 
 
-_CSS = """body{font-family:sans-serif;margin:2em;max-width:1500px}
+_CSS = """body{font-family:sans-serif;margin:1.5em 2em;max-width:1500px;color:#222}
+h1{font-size:1.5em;margin:0}.path{color:#777;font-size:.85em;margin:.2em 0 1em}
+h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
 table{border-collapse:collapse}th,td{border:1px solid #ccc;padding:3px 10px;text-align:left}
-.grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(620px,1fr));gap:12px}
-figure{margin:0}img{width:100%}pre{background:#f6f6f6;padding:1em;overflow:auto}"""
+.cards{display:flex;gap:12px;flex-wrap:wrap;margin-bottom:12px}
+.card{flex:1;min-width:260px;border:1px solid #ccc;border-radius:6px;padding:10px 14px}
+.card .label{color:#555;font-size:.9em}.card .value{font-size:2em;font-weight:bold;margin:.1em 0}
+.card .note{color:#666;font-size:.8em}.card.good{border-color:#3a3;background:#f3fbf3}
+.card.bad{border-color:#c33;background:#fdf3f3}
+.pair,.grid{display:grid;grid-template-columns:1fr 1fr;gap:14px}
+figure{margin:0}img{width:100%}figcaption{font-size:.85em;color:#444;margin-top:2px}
+.answer{border:1px solid #ddd;border-radius:6px;margin:8px 0;padding:8px 12px}
+.answer .q{color:#555;font-size:.85em;margin-bottom:4px}
+.answer .a{white-space:pre-wrap;font-family:ui-monospace,monospace;font-size:.85em;line-height:1.5}
+.acc{border-radius:3px}.a1{background:#d7f5d0}.a2{background:#a6e59a}.a3{background:#6fcf62}
+.a4{background:#3ea637;color:#fff}.legend{font-size:.9em}
+pre{background:#f6f6f6;padding:1em;overflow:auto}"""
 
 
-def _html(run_dir: Path, rows: list[tuple[str, str]], evals: str, config_text: str | None
-          ) -> str:
-    figures = "".join(
-        f'<figure><img src="{html.escape(p.file)}" alt="{html.escape(p.title)}">'
-        f"<figcaption>{html.escape(p.title)}</figcaption></figure>" for p in PLOTS)
-    config = (f"<pre>{html.escape(config_text)}</pre>" if config_text is not None
-              else "<p>No config.yaml in the run folder.</p>")
+def _html(run_dir: Path, *, first_screen: str, answers: str, rows: list[tuple[str, str]],
+          evals: str, config_text: str | None) -> str:
+    figures = "".join(_figure_html(p) for p in PLOTS if p.file not in HEADLINE)
+    config = (f"<details><summary>config.yaml</summary><pre>{html.escape(config_text)}</pre></details>"
+              if config_text is not None else "<p>No config.yaml in the run folder.</p>")
     title = html.escape(f"dflash-trainer run {run_dir.resolve().name}")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{title}</title>"
             f"<style>{_CSS}</style></head><body><h1>{title}</h1>"
-            f"<p>{html.escape(str(run_dir.resolve()))}</p>"
-            f"<h2>Summary</h2>{_table(rows)}<h2>Plots</h2><div class='grid'>{figures}</div>"
+            f"<p class='path'>{html.escape(str(run_dir))}</p>"
+            f"{first_screen}{answers}<h2>Training</h2><div class='grid'>{figures}</div>"
+            f"<h2>Summary</h2>{_table(rows)}"
             f"<h2>Evaluation</h2>{evals}<h2>Config</h2>{config}</body></html>\n")
 
 
@@ -457,9 +705,15 @@ def write_report(run_dir: str | Path) -> Path:
         plot.draw(out / plot.file, log, evals)
     config_path = run_dir / "config.yaml"
     config_text = config_path.read_text(encoding="utf-8") if config_path.is_file() else None
+    try:
+        config = yaml.safe_load(config_text) if config_text is not None else None
+    except yaml.YAMLError:
+        config = None  # shown as text below all the same
     index = out / "index.html"
-    index.write_text(_html(run_dir, summarize(log, evals), _eval_section(evals, skipped),
-                           config_text), encoding="utf-8")
+    index.write_text(_html(run_dir, first_screen=_first_screen(log, evals), answers=_prompts_section(evals),
+                           rows=summarize(log, evals, config if isinstance(config, dict) else None),
+                           evals=_eval_section(evals, skipped), config_text=config_text),
+                     encoding="utf-8")
     return index
 
 

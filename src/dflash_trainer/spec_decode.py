@@ -9,6 +9,12 @@ Timing excludes the prefill: the clock of the decode phase starts when the targe
 forward (the prompt) returns, for both. The drafter's first call (which also projects the
 prompt's context features into the draft cache) counts as decode time, which is conservative.
 On CUDA the device is synchronised at every clock reading.
+
+The acceptance trace (what the drafter proposed at each verify step and how much of it the
+target accepted) is read off the target's forward inputs with a pre-hook: every verify
+forward receives the block ``[bonus, draft_1, ..., draft_{B-1}]`` at position ``start``, so
+the drafts are the block's tail and consecutive block positions give the accepted count.
+Nothing in the decoding loop changes.
 """
 
 from __future__ import annotations
@@ -16,16 +22,39 @@ from __future__ import annotations
 import inspect
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
-__all__ = ["Decoded", "end_of_turn_ids", "first_mismatch", "speculative_generate", "target_generate"]
+__all__ = ["Decoded", "Span", "VerifyStep", "acceptance_spans", "end_of_turn_ids", "first_mismatch",
+           "piece_texts", "speculative_generate", "target_generate"]
+
+
+@dataclass(kw_only=True)
+class VerifyStep:
+    """One target verify step of speculative decoding."""
+
+    drafted: list[int]
+    """The drafter's proposals for block slots 1..B-1."""
+    accepted: int
+    """How many of them (a prefix) the target accepted; the step commits these plus one token
+    of the target's own (the bonus)."""
+
+
+class Span(NamedTuple):
+    """Tokens committed by one step: ``accepted`` accepted drafts, then the target's own token.
+
+    The first span (the prefill's token) has ``accepted == 0``. The last span can be cut short
+    by a stop token or ``max_new_tokens``; then it may end before the bonus.
+    """
+
+    tokens: list[int]
+    accepted: int
 
 
 @dataclass(kw_only=True)
@@ -41,6 +70,9 @@ class Decoded:
     acceptance_lengths: list[int] = field(default_factory=list)
     """Tokens committed per target verify step (accepted drafts + 1), in [1, B]; empty for the
     target-only baseline."""
+    steps: list[VerifyStep] = field(default_factory=list)
+    """The drafts of each verify step; empty for the baseline, or when the drafter's loop
+    did not call the target the way the trace expects (another modeling file)."""
 
     @property
     def decode_tokens(self) -> int:
@@ -116,18 +148,68 @@ def target_generate(target: nn.Module, input_ids: torch.Tensor, *, max_new_token
     return Decoded(tokens=tokens, prefill_s=prefill_end - start, decode_s=end - prefill_end)
 
 
+class _VerifyTrace:
+    """Pre-hook on the target that records the input blocks of one ``spec_generate`` call
+    (this thread only) and, given ``on_span``, reports each step's span once it is known."""
+
+    def __init__(self, on_span: Callable[[Span], None] | None) -> None:
+        self.thread = threading.get_ident()
+        self.blocks: list[torch.Tensor] = []
+        self.on_span = on_span
+        self.emitted = 0
+        self._previous: tuple[list[int], int] | None = None
+        """(block ids, block start) of the previous verify step, when streaming."""
+
+    def __call__(self, _module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        if threading.get_ident() != self.thread:
+            return
+        ids = args[0] if args else kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor):
+            return
+        first_call = not self.blocks
+        self.blocks.append(ids.detach().clone())
+        positions = kwargs.get("position_ids")
+        if self.on_span is None or first_call or not isinstance(positions, torch.Tensor):
+            return
+        # The block of step k + 1 starts with step k's bonus, at step k's start + accepted + 1.
+        block, start = ids[0].tolist(), int(positions[0, 0])
+        if self._previous is None:
+            self._emit(Span([block[0]], 0))
+        else:
+            previous, previous_start = self._previous
+            accepted = start - previous_start - 1
+            self._emit(Span(previous[1:accepted + 1] + [block[0]], accepted))
+        self._previous = (block, start)
+
+    def _emit(self, span: Span) -> None:
+        assert self.on_span is not None
+        self.on_span(span)
+        self.emitted += 1
+
+    def finish(self, spans: list[Span]) -> None:
+        """Report the spans the hook could not see (the last one at least)."""
+        if self.on_span is not None:
+            for span in spans[self.emitted:]:
+                self._emit(span)
+
+
 def speculative_generate(drafter: nn.Module, target: nn.Module, input_ids: torch.Tensor, *,
                          max_new_tokens: int, stop_token_ids: Sequence[int],
-                         temperature: float = 0.0) -> Decoded:
+                         temperature: float = 0.0,
+                         on_span: Callable[[Span], None] | None = None) -> Decoded:
     """Speculative decoding of ``input_ids`` ``[1, S]`` with ``drafter.spec_generate``.
 
     ``drafter`` is a ``DFlashDraftModel`` (in-project or loaded through ``trust_remote_code``)
     on the target's device. Its train/eval mode is restored afterwards (``spec_generate``
-    switches to eval mode; not every modeling file switches back).
+    switches to eval mode; not every modeling file switches back). ``on_span`` receives the
+    committed tokens step by step while decoding runs (one step behind the target, plus the
+    rest at the end), for streaming output; it costs one host sync per step.
     """
     _check_prompt(input_ids, max_new_tokens)
     device = input_ids.device
     was_training = drafter.training
+    trace = _VerifyTrace(on_span)
+    handle = target.register_forward_pre_hook(trace, with_kwargs=True)
     try:
         with _first_forward_end(target, device) as prefill_end:
             start = _now(device)
@@ -136,11 +218,55 @@ def speculative_generate(drafter: nn.Module, target: nn.Module, input_ids: torch
                                           return_stats=True)
             end = _now(device)
     finally:
+        handle.remove()
         drafter.train(was_training)
     assert prefill_end, "spec_generate did not call the target"
     tokens = stats.output_ids[0, stats.num_input_tokens:].tolist()
+    lengths = [int(a) for a in stats.acceptance_lengths]
+    steps: list[VerifyStep] = []
+    if len(trace.blocks) == len(lengths) + 1:
+        steps = [VerifyStep(drafted=block[0, 1:].tolist(), accepted=a - 1)
+                 for block, a in zip(trace.blocks[1:], lengths)]
+    trace.finish(acceptance_spans(tokens, lengths))
     return Decoded(tokens=tokens, prefill_s=prefill_end[0] - start, decode_s=end - prefill_end[0],
-                   acceptance_lengths=[int(a) for a in stats.acceptance_lengths])
+                   acceptance_lengths=lengths, steps=steps)
+
+
+def acceptance_spans(tokens: Sequence[int], acceptance_lengths: Sequence[int]) -> list[Span]:
+    """Split generated ``tokens`` into the spans the prefill and each verify step committed."""
+    if not tokens:
+        return []
+    spans = [Span([int(tokens[0])], 0)]
+    pos = 1
+    for length in acceptance_lengths:
+        if pos >= len(tokens):
+            break
+        taken = [int(t) for t in tokens[pos:pos + length]]
+        spans.append(Span(taken, min(length - 1, len(taken))))
+        pos += len(taken)
+    assert pos == len(tokens), f"{len(tokens) - pos} tokens not covered by the acceptance lengths"
+    return spans
+
+
+def piece_texts(tokenizer: Any, pieces: Sequence[Sequence[int]]) -> list[str]:
+    """The text of each consecutive piece of one token sequence (special tokens dropped).
+
+    Decoded as prefixes of the whole, so word joins and multi-byte characters split across
+    pieces come out as in the full text; a piece where that fails is decoded on its own.
+    """
+    texts: list[str] = []
+    ids: list[int] = []
+    previous = ""
+    for piece in pieces:
+        ids.extend(piece)
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        if text.startswith(previous) and not text.endswith("\ufffd"):
+            texts.append(text[len(previous):])
+            previous = text
+        else:
+            texts.append(tokenizer.decode(list(piece), skip_special_tokens=True))
+            previous = "".join(texts)
+    return texts
 
 
 def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:

@@ -4,8 +4,11 @@
 other rank gets an empty fan-out, so callers log unconditionally. ``metrics.jsonl`` is always
 written: it is the run's own record, read back by ``dflash-trainer report``.
 
-Values are floats; a list of numbers (``eval/acceptance_hist``: counts for acceptance lengths
-1..B) is kept as a list in JSONL, a histogram in TensorBoard and W&B, and left off the console.
+Values are floats or lists of numbers. A list whose key ends in ``_hist`` holds counts
+(``eval/acceptance_hist``: counts for acceptance lengths 1..B): a list in JSONL, a histogram in
+TensorBoard and W&B. Any other list (``data/step_buckets``: the bucket of each micro-batch
+since the previous log, see :class:`StepValues`) is kept in JSONL only. The console shows
+neither.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -49,12 +52,20 @@ class Tracker:
     def log_config(self, config: Mapping[str, Any]) -> None:
         """Record the resolved run configuration."""
 
+    def training_started(self) -> None:
+        """Training proper begins now (after model loading and any untrained evaluation)."""
+
     def close(self) -> None:
         """Flush and release the backend; called once."""
 
 
 def _is_sequence(value: Any) -> bool:
     return isinstance(value, Sequence) and not isinstance(value, str)
+
+
+def _is_counts(key: str, value: Any) -> bool:
+    """A list of counts, shown as a histogram by TensorBoard and W&B."""
+    return _is_sequence(value) and key.endswith("_hist")
 
 
 class JsonlTracker(Tracker):
@@ -95,9 +106,9 @@ class TensorBoardTracker(Tracker):
 
     def log(self, metrics: Mapping[str, MetricValue], step: int) -> None:
         for key, value in metrics.items():
-            if _is_sequence(value):
+            if _is_counts(key, value):
                 self._log_counts(key, [float(v) for v in value], step)
-            else:
+            elif not _is_sequence(value):
                 self._writer.add_scalar(key, float(value), global_step=step)
         # Logs are seconds apart at most: flush so a live TensorBoard sees every point.
         self._writer.flush()
@@ -150,12 +161,12 @@ class WandbTracker(Tracker):
     def log(self, metrics: Mapping[str, MetricValue], step: int) -> None:
         data: dict[str, Any] = {}
         for key, value in metrics.items():
-            if _is_sequence(value):
+            if _is_counts(key, value):
                 counts = [float(v) for v in value]
                 if sum(counts) > 0:
                     edges = [k + 0.5 for k in range(len(counts) + 1)]
                     data[key] = self._wandb.Histogram(np_histogram=(counts, edges))
-            else:
+            elif not _is_sequence(value):
                 data[key] = float(value)
         self._run.log(data, step=step)
 
@@ -166,7 +177,7 @@ class WandbTracker(Tracker):
         self._run.finish()
 
 
-def _format_eta(seconds: float | None) -> str:
+def _format_duration(seconds: float | None) -> str:
     if seconds is None or not math.isfinite(seconds):
         return "-"
     return str(datetime.timedelta(seconds=int(max(0.0, seconds))))
@@ -176,58 +187,116 @@ class ConsoleTracker(Tracker):
     """A rich progress bar on a terminal; one plain line per log elsewhere (CI, files, pipes).
 
     ``plain`` forces the mode; by default rich decides from the stream (a TTY, or FORCE_COLOR).
-    The ETA extrapolates the step rate measured since the first log (so a resumed run's rate
-    is not diluted by the steps it skipped).
+    The clock starts at :meth:`training_started` (or, if nobody calls it, at the first log),
+    so model loading and an untrained evaluation before training do not count.
+
+    A run is *time-bounded* when ``max_time_s`` is set and its deadline comes before the
+    planned steps would finish at the measured step rate: it shows ``step N  elapsed/limit``
+    and the ETA is the time left, which is zero when training stops. Otherwise the run is
+    step-bounded: ``step N/total``, the ETA from the step rate measured since the first log
+    (so a resumed run's rate is not diluted by the steps it skipped). ``clock`` is for tests.
     """
 
     def __init__(self, total_steps: int | None = None, *, stream: IO[str] | None = None,
-                 plain: bool | None = None, max_time_s: float | None = None) -> None:
+                 plain: bool | None = None, max_time_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         from rich.console import Console
 
         self.total_steps = total_steps
-        # A time-bounded run ends at the deadline, however many planned steps remain.
-        self._deadline = None if max_time_s is None else time.monotonic() + max_time_s
+        self.max_time_s = max_time_s
+        self._clock = clock
+        self._started: float | None = None
         self._stream = stream if stream is not None else sys.stdout
         console = Console(file=self._stream, force_terminal=None if plain is None else not plain)
         self.plain = not console.is_terminal
         self._first: tuple[int, float] | None = None
         self._progress = None
         if not self.plain:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+            from rich.progress import BarColumn, Progress, TextColumn
 
             # auto_refresh=False: no render thread; the bar redraws at each log.
             self._progress = Progress(
-                TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(),
+                TextColumn("[bold]{task.fields[where]}"), BarColumn(),
                 TextColumn("{task.fields[stats]}"), TextColumn("eta {task.fields[eta]}"),
                 console=console, auto_refresh=False)
-            self._task = self._progress.add_task("train", total=total_steps, stats="", eta="-")
+            self._task = self._progress.add_task("train", total=total_steps, stats="", eta="-",
+                                                 where="step 0")
             self._progress.start()
 
-    def _eta(self, step: int) -> float | None:
-        now = time.monotonic()
+    def training_started(self) -> None:
+        self._started = self._clock()
+        self._first = None  # a log before training (an untrained eval) says nothing of the step rate
+
+    def progress(self, step: int) -> tuple[str, float | None, float, float | None]:
+        """(position text, ETA in seconds or None, bar completed, bar total) at ``step``."""
+        now = self._clock()
+        if self._started is None:
+            self._started = now
         if self._first is None:
             self._first = (step, now)
-            return None
         first_step, first_time = self._first
-        if self.total_steps is None or step <= first_step:
-            return None
-        eta = (self.total_steps - step) * (now - first_time) / (step - first_step)
-        return eta if self._deadline is None else min(eta, max(0.0, self._deadline - now))
+        step_eta = None
+        if self.total_steps is not None and step > first_step:
+            step_eta = max(0, self.total_steps - step) * (now - first_time) / (step - first_step)
+        if self.max_time_s is not None:
+            elapsed = now - self._started
+            time_left = max(0.0, self.max_time_s - elapsed)
+            if self.total_steps is None or step_eta is None or step_eta > time_left:
+                where = (f"step {step}  {_format_duration(min(elapsed, self.max_time_s))}"
+                         f"/{_format_duration(self.max_time_s)}")
+                return where, time_left, min(elapsed, self.max_time_s), self.max_time_s
+        total = "?" if self.total_steps is None else str(self.total_steps)
+        return f"step {step}/{total}", step_eta, float(step), (
+            None if self.total_steps is None else float(self.total_steps))
 
     def log(self, metrics: Mapping[str, MetricValue], step: int) -> None:
         stats = "  ".join(f"{label} {fmt.format(float(metrics[key]))}"
                           for key, label, fmt in _CONSOLE_FIELDS if key in metrics)
-        eta = _format_eta(self._eta(step))
+        where, eta, completed, total = self.progress(step)
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, stats=stats, eta=eta, refresh=True)
+            self._progress.update(self._task, completed=completed, total=total, where=where,
+                                  stats=stats, eta=_format_duration(eta), refresh=True)
             return
-        total = "?" if self.total_steps is None else str(self.total_steps)
-        print(f"step {step}/{total}  {stats}  eta {eta}", file=self._stream, flush=True)
+        print(f"{where}  {stats}  eta {_format_duration(eta)}", file=self._stream, flush=True)
 
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+class StepValues(Tracker):
+    """Adds values recorded between logs to the next logged dict, as one list under ``key``.
+
+    The train loop calls :meth:`record` once per micro-batch (a host-side int, no device
+    sync); the monitor logs through this wrapper, so ``metrics.jsonl`` holds the value of
+    every micro-batch although metrics are logged every few steps.
+    """
+
+    def __init__(self, inner: Tracker, key: str) -> None:
+        self.inner = inner
+        self.key = key
+        self._values: list[float] = []
+
+    @property
+    def run_id(self) -> str | None:  # type: ignore[override]
+        return self.inner.run_id
+
+    def record(self, value: float) -> None:
+        """Note the value of the current micro-batch."""
+        self._values.append(float(value))
+
+    def log(self, metrics: Mapping[str, MetricValue], step: int) -> None:
+        if self._values:
+            metrics = {**metrics, self.key: self._values}
+            self._values = []
+        self.inner.log(metrics, step)
+
+    def log_config(self, config: Mapping[str, Any]) -> None:
+        self.inner.log_config(config)
+
+    def training_started(self) -> None:
+        self.inner.training_started()
 
 
 class Trackers(Tracker):
@@ -248,6 +317,10 @@ class Trackers(Tracker):
     def log_config(self, config: Mapping[str, Any]) -> None:
         for tracker in self.trackers:
             tracker.log_config(config)
+
+    def training_started(self) -> None:
+        for tracker in self.trackers:
+            tracker.training_started()
 
     def close(self) -> None:
         """Close every tracker (idempotent); the first failure is re-raised after all closed."""

@@ -1,21 +1,20 @@
-"""``dflash-trainer train``: build the pipeline, run it, and always close it.
+"""``dflash-trainer train``: the Trainer runs a TrainingPipeline over the built components.
 
 Thread layout per rank: the prefetcher (W workers + dispatcher) and the target stage run
-as supervised threads; the drafter step, the monitor, the in-training eval and checkpoint
-snapshots run on the main thread between steps; the checkpoint writer has its own thread.
+as supervised threads (:class:`~dflash_trainer.pipeline.pipeline.TrainingPipeline`); the
+drafter step, the monitor, the in-training eval and checkpoint snapshots run on the main
+thread between steps; the checkpoint writer has its own thread. See docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
-import os
 import math
+import os
 import random
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,32 +24,21 @@ import numpy as np
 import torch
 import yaml
 
-from dflash_trainer import assets
 from dflash_trainer.checkpoint import (
     LATEST, Checkpointer, ResumeError, SaveRequest, load_state, resolve_resume, snapshot)
+from dflash_trainer.components import Components, build
 from dflash_trainer.config import Config, config_to_dict, save_config
-from dflash_trainer.data.buckets import Plan, build_plan
-from dflash_trainer.flops import StepShape, layer_dims, step_flops
-from dflash_trainer.data.prepare import build_dataset
 from dflash_trainer.distributed import (
     DistInfo, check_distributed_options, close_distributed, full_model_state,
-    full_optimizer_state, init_distributed, is_sharded, load_model_state, load_optimizer_state,
-    reduce_metrics, target_load_device, wrap_drafter, wrap_target)
-from dflash_trainer.model.blocks import sample_anchors
-from dflash_trainer.model.drafter import build_drafter, init_from_target, text_config
+    full_optimizer_state, init_distributed, is_sharded, load_model_state, load_optimizer_state)
+from dflash_trainer.fsutil import step_of
 from dflash_trainer.model.export import export_drafter
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
-from dflash_trainer.model.objective import DFlashObjective
-from dflash_trainer.model.target import FeatureExtractor, load_target, resolve_mask_token_id
-from dflash_trainer.optim import LRSchedule, build_optimizer
 from dflash_trainer.pipeline.batch import Batch
-from dflash_trainer.pipeline.channel import Channel
-from dflash_trainer.pipeline.monitor import Monitor
-from dflash_trainer.pipeline.prefetch import BatchPrefetcher
-from dflash_trainer.pipeline.stage import GracefulStop, Supervisor
-from dflash_trainer.pipeline.target_stage import TargetStage
+from dflash_trainer.pipeline.pipeline import PipelineSettings, TrainingPipeline, plan_metrics
+from dflash_trainer.pipeline.stage import GracefulStop
 from dflash_trainer.pipeline.train_loop import DrafterTrainLoop
-from dflash_trainer.trackers import build_trackers
+from dflash_trainer.trackers import StepValues, build_trackers
 
 log = logging.getLogger(__name__)
 
@@ -61,23 +49,6 @@ RESUME_KEYS = ("data", "model", "pipeline.num_buckets", "pipeline.bucket_boundar
                "training.seed", "training.num_anchors", "training.grad_accum")
 # Inside RESUME_KEYS but free to change: where things are stored, not what they are.
 RESUME_FREE = frozenset({"data.cache_dir"})
-
-# bf16 dense peak FLOP/s by device name, for perf/mfu (benchmarks/gpu_check.py measures the
-# achievable matmul ceiling instead).
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
-
-
-def _dtype(cfg: Config, device: torch.device) -> torch.dtype:
-    if cfg.model.dtype == "bfloat16" or (cfg.model.dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return torch.float32
-
-
-def _peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 
 def _pick(cfg: dict[str, Any], dotted: str) -> Any:
@@ -110,8 +81,56 @@ def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any], *,
                                   f"{new!r} now; resume with the checkpoint's config.yaml")
 
 
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+class BestCheckpoint:
+    """Which checkpoint is the best so far, by one metric; decided on rank 0.
+
+    ``eval/tau`` (acceptance length, what a drafter is for) when in-training eval is on;
+    otherwise the mean ``train/loss`` since the previous checkpoint.
+    """
+
+    def __init__(self, *, by_eval: bool) -> None:
+        self.metric, self.higher = ("eval/tau", True) if by_eval else ("train/loss", False)
+        self.best: dict[str, Any] | None = None
+        """``metric``, ``value``, ``step`` of the best checkpoint so far."""
+
+    def improves(self, value: float | None) -> bool:
+        """Whether ``value`` beats the best so far (a non-finite value never does)."""
+        if value is None or not math.isfinite(value):
+            return False
+        if self.best is None:
+            return True
+        return value > self.best["value"] if self.higher else value < self.best["value"]
+
+    def update(self, value: float | None, step: int) -> bool:
+        """Record ``value`` at ``step`` if it improves; whether it did."""
+        if not self.improves(value):
+            return False
+        self.best = {"metric": self.metric, "value": value, "step": step}
+        return True
+
+
 class Trainer:
-    """Everything one rank needs for a run; :meth:`train` runs it, :meth:`close` cleans up."""
+    """One rank's run: components, pipeline, trackers, checkpoints and in-training eval.
+
+    :meth:`train` runs it; :meth:`close` cleans up; :meth:`state_dict` is everything a
+    checkpoint holds and :meth:`load_state_dict` the one place a resume is applied.
+    """
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -124,121 +143,94 @@ class Trainer:
             # The target stage and the drafter loop compute at the same time; two intra-op
             # pools of all cores oversubscribe them (2.9x slower measured on 2 cores).
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-        self.device = self.dist.device
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
-        # Same seed on every rank for the drafter init (DDP also broadcasts rank 0's weights).
-        torch.manual_seed(cfg.training.seed)
-        self.compute_dtype = _dtype(cfg, self.device)
-
-        target_path = assets.resolve_target(cfg.model.target)
-        self.target, self.tokenizer = load_target(
-            str(target_path), device=target_load_device(self.dist, cfg.distributed),
-            dtype=self.compute_dtype)
-        self.store, self.data_stats = self._build_dataset()
-        embed_rows = self.target.get_input_embeddings().weight.shape[0]
-        data_ids = np.flatnonzero(np.bincount(np.asarray(self.store._tokens),
-                                              minlength=embed_rows))
-        mask_id = resolve_mask_token_id(self.tokenizer, embed_rows,
-                                        explicit=cfg.model.mask_token_id,
-                                        forbidden_in_data=data_ids.tolist())
-        drafter = build_drafter(cfg.model, self.target.config, mask_token_id=mask_id)
-        if cfg.model.init_from_target:
-            copied = init_from_target(drafter, self.target)
-            log.info("initialised drafter layers from the target: %s", ", ".join(copied))
-        self.drafter: DFlashDraftModel = drafter.to(self.device)
-        # Sharded before the feature hooks are added, so FSDP's hooks run first.
-        self.target = wrap_target(self.target, self.dist, cfg.distributed)
-        self.extractor = FeatureExtractor(self.target, self.drafter.target_layer_ids,
-                                          labels=cfg.training.labels,
-                                          label_chunk_size=cfg.training.loss_chunk_size)
-        objective = DFlashObjective.from_config(self.drafter, self.extractor.embed_weight,
-                                                self.extractor.head_weight, cfg)
-        self.objective = wrap_drafter(objective, self.dist, cfg.distributed)
-
-        self.steps_per_epoch = len(self._plan(0))
-        micro_total = self.steps_per_epoch * cfg.training.epochs
-        self.total_steps = max(1, micro_total // cfg.training.grad_accum)
-        if cfg.training.max_steps is not None:
-            self.total_steps = min(self.total_steps, cfg.training.max_steps)
-        params = [p for p in self.objective.parameters() if p.requires_grad]
-        optimizer = build_optimizer(params, cfg.training)
-        schedule = LRSchedule(optimizer, total_steps=self.total_steps, cfg=cfg.training)
-        self._target_dims = layer_dims(text_config(self.target.config))
-        self.loop = DrafterTrainLoop(
-            objective=self.objective, parameters=params, optimizer=optimizer, schedule=schedule,
-            cfg=cfg.training, dist_info=self.dist, block_size=self.drafter.block_size,
-            autocast_dtype=torch.bfloat16 if self.compute_dtype == torch.bfloat16 else None,
-            flops_fn=self._batch_flops, peak_flops=_peak_flops(self.device))
-        self._snapshot_step: int | None = None
-        """Optimizer step of the last snapshot this run took (same on every rank)."""
-        self.best: dict[str, Any] | None = None
-        """The best checkpoint so far: ``metric``, ``value``, ``step`` (see :meth:`_improves`)."""
+        self.parts: Components = build(cfg, self.dist)
         self.stopped_by: str | None = None
         """Why :meth:`train` ended: completed, max_time_s, stop_after_steps or signal NAME."""
-        self._resume_rng: dict[str, Any] | None = None
-        # Validated before anything is written, so a refused resume leaves the run dir as it was.
-        self.resume_state = self._load_resume()
-        if self.dist.is_main:
-            save_config(cfg, self.run_dir)
-        self.stop = threading.Event()
-        self.checkpointer = Checkpointer(self.ckpt_dir, keep_last=cfg.checkpoint.keep_last,
-                                         async_save=cfg.checkpoint.async_save)
-        if self.best is not None:
-            self.checkpointer.mark_best(self.best["step"])
+        self._best = BestCheckpoint(by_eval=bool(cfg.eval.every_steps))
+        self._snapshot_step: int | None = None
+        """Optimizer step of the last snapshot this run took (same on every rank)."""
         try:
+            # Validated before anything is written, so a refused resume leaves the run dir as
+            # it was.
+            resume = self._read_resume()
+            if self.dist.is_main:
+                save_config(cfg, self.run_dir)
+            self.checkpointer = Checkpointer(self.ckpt_dir, keep_last=cfg.checkpoint.keep_last,
+                                             async_save=cfg.checkpoint.async_save)
             self.trackers = build_trackers(
                 cfg.logging, self.run_dir, config_dict=config_to_dict(cfg),
                 is_rank0=self.dist.is_main,
-                resume_run_id=(self.resume_state or {}).get("tracker_run_id"),
+                resume_run_id=(resume or {}).get("tracker_run_id"),
                 total_steps=self.total_steps, max_time_s=cfg.training.max_time_s)
+            # The bucket of every micro-batch goes to metrics.jsonl (the report's bucket strip).
+            self.step_buckets = StepValues(self.trackers, "data/step_buckets")
             self.in_training_eval = None
             if cfg.eval.every_steps and self.dist.is_main:
                 from dflash_trainer.evaluate import InTrainingEval
 
                 self.in_training_eval = InTrainingEval.from_config(
-                    cfg, target=self.target, tokenizer=self.tokenizer)
+                    cfg, target=self.target, tokenizer=self.parts.tokenizer)
+            self.pipeline = TrainingPipeline(
+                data=self.parts.data, plans=self.parts.plans, extract=self.parts.extractor,
+                loop=self.loop, dist=self.dist,
+                settings=PipelineSettings.from_config(cfg, block_size=self.drafter.block_size),
+                trackers=self.step_buckets)
+            if resume is not None:
+                # Last, so that nothing built after it draws from the restored RNG streams.
+                self.load_state_dict(resume)
         except BaseException:
-            self.close()  # the checkpointer thread is running already
+            self.close()  # the checkpointer thread and the feature hooks exist already
             raise
 
-    def _build_dataset(self) -> tuple[Any, Any]:
-        # Rank 0 tokenizes; the others then find the finished cache instead of racing to write it.
-        if self.dist.enabled and not self.dist.is_main:
-            torch.distributed.barrier()
-        store, stats = build_dataset(self.cfg, tokenizer=self.tokenizer)
-        if self.dist.enabled and self.dist.is_main:
-            torch.distributed.barrier()
-        if len(store) == 0:
-            raise ValueError("no training samples left after preparation; see the prepare "
-                             "statistics above (data.max_length, data.min_supervised_tokens)")
-        return store, stats
+    # -- the parts, by name -------------------------------------------------------------
 
-    @functools.lru_cache(maxsize=4)
-    def _plan(self, epoch: int) -> Plan:
-        return build_plan(self.store.lengths, self.cfg.pipeline, seed=self.cfg.training.seed,
-                          epoch=epoch, world_size=self.dist.world_size)
+    @property
+    def best(self) -> dict[str, Any] | None:
+        """The best checkpoint so far: ``metric``, ``value``, ``step`` (rank 0)."""
+        return self._best.best
 
-    def _batch_flops(self, batch: Batch) -> float:
-        """Model FLOPs of one micro-batch from its host-side shapes (no device sync)."""
-        rows, seq_len = batch.shape
-        layer_ids = self.drafter.target_layer_ids
-        needs_final = self.cfg.training.labels != "data"
-        shape = StepShape(rows=rows, seq_len=seq_len, num_anchors=batch.anchors.shape[1],
-                          block_size=self.drafter.block_size,
-                          mean_anchor=seq_len / 2,  # anchors are uniform over the sequence
-                          supervised_slots=self.cfg.training.loss_slots,
-                          soft_labels=self.cfg.training.labels == "kl")
-        return step_flops(
-            target=self._target_dims,
-            target_layers_run=(self.target.config.num_hidden_layers if needs_final
-                               else max(layer_ids) + 1),
-            target_head=needs_final, drafter=layer_dims(self.drafter.config),
-            drafter_layers=self.drafter.config.num_hidden_layers, num_features=len(layer_ids),
-            vocab=self.extractor.head_weight.shape[0], shape=shape)["total"]
+    @property
+    def device(self) -> torch.device:
+        """This rank's device."""
+        return self.dist.device
 
-    def _load_resume(self) -> dict[str, Any] | None:
-        """Load and apply ``checkpoint.resume``; refuse a fresh run over earlier checkpoints."""
+    @property
+    def target(self) -> torch.nn.Module:
+        """The frozen target."""
+        return self.parts.target
+
+    @property
+    def tokenizer(self) -> Any:
+        """The target's tokenizer."""
+        return self.parts.tokenizer
+
+    @property
+    def drafter(self) -> DFlashDraftModel:
+        """The drafter being trained (the plain module)."""
+        return self.parts.drafter
+
+    @property
+    def loop(self) -> DrafterTrainLoop:
+        """The drafter train loop (optimizer, schedule, step counters)."""
+        return self.parts.loop
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps of the run (from every epoch's plan; see ``Components``)."""
+        return self.parts.total_steps
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The target's and the autocast dtype."""
+        return self.parts.compute_dtype
+
+    # -- state ------------------------------------------------------------------------
+
+    def _read_resume(self) -> dict[str, Any] | None:
+        """This rank's part of ``checkpoint.resume`` (validated, checked against the config);
+        refuses a fresh run over earlier checkpoints."""
         resume = self.cfg.checkpoint.resume
         folder = resolve_resume(resume, self.ckpt_dir)
         if folder is None:
@@ -250,24 +242,12 @@ class Trainer:
         state = load_state(folder, rank=self.dist.rank)
         check_resume_compatible(state["config"], config_to_dict(self.cfg),
                                 saved_world=state["world_size"], world=self.dist.world_size)
-        load_model_state(self.drafter, state["drafter"])
-        loop_state = state["loop"]
-        if is_sharded(self.objective):
-            # Saved unsharded (see save_checkpoint); each rank keeps its shard.
-            load_optimizer_state(self.objective, self.loop.optimizer, loop_state["optimizer"])
-            loop_state = {**loop_state, "optimizer": self.loop.optimizer.state_dict()}
-        self.loop.load_state_dict(loop_state)
-        self._snapshot_step = self.loop.optimizer_step
-        # Restored at the start of train(), so nothing built in between draws from them.
-        self._resume_rng = state["rank"]["rng"] if self.dist.rank > 0 else state["rng"]
-        self.best = state.get("best")
-        step = self.loop.optimizer_step
-        if self.loop.schedule.total_steps != self.total_steps:
-            log.warning("the LR schedule of the checkpoint spans %d steps, this config %d: the "
-                        "schedule keeps the checkpoint's curve; the run stops at step %d",
-                        self.loop.schedule.total_steps, self.total_steps, self.total_steps)
+        own = state.pop("rank", None)
+        if own is not None:  # rank > 0: its own RNG streams and data position
+            state.update(rng=own["rng"], prefetch=own["prefetch"])
+        step = int(state["step"])
         newer = sorted(p.name for p in self.ckpt_dir.glob("step-*")
-                       if p.is_dir() and p.name[5:].isdigit() and int(p.name[5:]) > step)
+                       if p.is_dir() and (step_of(p) or 0) > step)
         if newer and self.dist.is_main:
             log.warning("resuming from step %d: newer checkpoints %s belong to the abandoned "
                         "continuation and will be replaced as this run reaches their steps",
@@ -277,26 +257,51 @@ class Trainer:
             print(f"resumed from {folder} at step {step}", flush=True)
         return state
 
-    def _rng_state(self) -> dict[str, Any]:
-        state = {"python": random.getstate(), "numpy": np.random.get_state(),
-                 "torch": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            state["cuda"] = torch.cuda.get_rng_state(self.device)
-        return state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a checkpoint holds for this rank, at a step boundary.
 
-    def _restore_rng(self) -> None:
-        rng = self._resume_rng
-        if rng is None:
-            return
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        torch.set_rng_state(rng["torch"])
-        if "cuda" in rng and self.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], self.device)
-        self._resume_rng = None
+        A collective when the drafter is sharded: call it on every rank.
+        """
+        loop_state = self.loop.state_dict()
+        if is_sharded(self.parts.objective):
+            loop_state["optimizer"] = full_optimizer_state(self.parts.objective,
+                                                           self.loop.optimizer)
+        return {
+            "step": self.loop.optimizer_step,
+            "epoch": self.loop.last_epoch,
+            "drafter": full_model_state(self.drafter),
+            "loop": loop_state,
+            **self.pipeline.state_dict(),
+            "rng": _rng_state(self.device),
+            "tracker_run_id": self.trackers.run_id,
+            "best": self._best.best,
+            "config": config_to_dict(self.cfg),
+            "world_size": self.dist.world_size,
+        }
 
-    def save_checkpoint(self, prefetcher: BatchPrefetcher, monitor: Monitor, *,
-                        eval_tau: float | None = None) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Apply a checkpoint's state: weights, optimizer and schedule, data position, run
+        totals, RNG streams and the best checkpoint so far (before :meth:`train`)."""
+        load_model_state(self.drafter, state["drafter"])
+        loop_state = state["loop"]
+        objective = self.parts.objective
+        if is_sharded(objective):
+            # Saved unsharded (see state_dict); each rank keeps its shard.
+            load_optimizer_state(objective, self.loop.optimizer, loop_state["optimizer"])
+            loop_state = {**loop_state, "optimizer": self.loop.optimizer.state_dict()}
+        self.loop.load_state_dict(loop_state)
+        self.pipeline.load_state_dict(state)
+        self._best.best = state.get("best")
+        if self._best.best is not None:
+            self.checkpointer.mark_best(self._best.best["step"])
+        self._snapshot_step = self.loop.optimizer_step
+        if self.loop.schedule.total_steps != self.total_steps:
+            log.warning("the LR schedule of the checkpoint spans %d steps, this config %d: the "
+                        "schedule keeps the checkpoint's curve; the run stops at step %d",
+                        self.loop.schedule.total_steps, self.total_steps, self.total_steps)
+        _set_rng_state(state["rng"], self.device)
+
+    def save_checkpoint(self, *, eval_tau: float | None = None) -> None:
         """Snapshot between steps (main thread), then hand the write to the checkpointer.
 
         Every rank calls it at the same step. ``eval_tau`` is this step's in-training eval
@@ -304,38 +309,18 @@ class Trainer:
         """
         step = self.loop.optimizer_step
         self._snapshot_step = step
-        metric, _ = self._best_metric()
-        score = eval_tau if metric == "eval/tau" else self.loop.loss_since_checkpoint()
-        is_best = self.dist.is_main and self._improves(score)
-        if is_best:
-            self.best = {"metric": metric, "value": score, "step": step}
-        rng = self._rng_state()
-        # Collectives when the drafter is sharded, so every rank takes part.
-        drafter_state = full_model_state(self.drafter)
-        loop_state = self.loop.state_dict()
-        if is_sharded(self.objective):
-            loop_state["optimizer"] = full_optimizer_state(self.objective, self.loop.optimizer)
+        score = eval_tau if self._best.metric == "eval/tau" else self.loop.loss_since_checkpoint()
+        is_best = self.dist.is_main and self._best.update(score, step)
+        full = self.state_dict()
         rank_states: dict[int, Any] = {}
         if self.dist.enabled:
             gathered: list[Any] = [None] * self.dist.world_size
             torch.distributed.all_gather_object(
-                gathered, {"rng": rng, "prefetch": prefetcher.state_dict()})
+                gathered, {"rng": full["rng"], "prefetch": full["prefetch"]})
             rank_states = {r: s for r, s in enumerate(gathered) if r > 0}
         if not self.dist.is_main:
             return
-        state = snapshot({
-            "step": step,
-            "epoch": self.loop.last_epoch,
-            "drafter": drafter_state,
-            "loop": loop_state,
-            "prefetch": prefetcher.state_dict(),
-            "monitor": monitor.state_dict(),
-            "rng": rng,
-            "tracker_run_id": self.trackers.run_id,
-            "best": self.best,
-            "config": config_to_dict(self.cfg),
-            "world_size": self.dist.world_size,
-        })
+        state = snapshot(full)
         drafter_config = self.drafter.config
         target_config = self.target.config
 
@@ -351,28 +336,14 @@ class Trainer:
             step=step, state=state, rank_states=rank_states, export=export, best=is_best,
             files={"config.yaml": yaml.safe_dump(state["config"], sort_keys=False)}))
 
-    def _best_metric(self) -> tuple[str, bool]:
-        """(name, higher is better) of the metric that decides the best checkpoint.
-
-        ``eval/tau`` (acceptance length, what a drafter is for) when in-training eval is on;
-        otherwise the mean ``train/loss`` since the previous checkpoint.
-        """
-        return ("eval/tau", True) if self.cfg.eval.every_steps else ("train/loss", False)
-
-    def _improves(self, value: float | None) -> bool:
-        if value is None or not math.isfinite(value):
-            return False
-        if self.best is None:
-            return True
-        higher = self._best_metric()[1]
-        return value > self.best["value"] if higher else value < self.best["value"]
+    # -- the run ------------------------------------------------------------------------
 
     def _new_best_eval(self, tau: float | None, step: int) -> bool:
         """Whether this step's eval beat every earlier one (rank 0 decides at eval steps)."""
         every = self.cfg.eval.every_steps
         if not every or step % every:
             return False
-        better = self.dist.is_main and self._improves(tau)
+        better = self.dist.is_main and self._best.improves(tau)
         if self.dist.enabled:
             flag = torch.tensor([float(better)], device=self.device)
             torch.distributed.broadcast(flag, src=0)
@@ -393,6 +364,18 @@ class Trainer:
             due = bool(flag.item())
         return due
 
+    def _log_plan(self, epoch: int) -> None:
+        """The plan statistics of ``epoch``, once per epoch: in the next logged record (JSONL,
+        W&B, TensorBoard) and as a console line."""
+        plan = self.parts.plans(epoch)
+        self.pipeline.monitor.add_once(plan_metrics(plan))
+        if self.dist.is_main:
+            s = plan.stats
+            print(f"epoch {epoch}: {len(plan)} steps, {s.num_samples} samples, {s.num_dropped} "
+                  f"dropped and {s.num_carried} carried to keep ranks aligned, padding "
+                  f"efficiency {s.padding_efficiency:.3f}, longest same-bucket run "
+                  f"{s.max_run} (limit {s.run_limit})", flush=True)
+
     def train(self, *, stop_after_steps: int | None = None,
               on_batch: Callable[[Batch], None] | None = None) -> dict[str, float]:
         """Run until the planned steps are done, max_steps/max_time_s, or a stop signal.
@@ -403,54 +386,33 @@ class Trainer:
         Returns the last logged metrics; :attr:`stopped_by` says why it ended.
         """
         cfg = self.cfg
-        batches = Channel("batches", cfg.pipeline.batch_queue_size, self.stop)
-        features = Channel("features", cfg.pipeline.feature_queue_size, self.stop)
-        prefetcher = BatchPrefetcher(
-            self.store, self._plan, rank=self.dist.rank, num_workers=cfg.pipeline.prefetch_workers,
-            out_channels=[batches], sample_anchors=sample_anchors,
-            num_anchors=cfg.training.num_anchors, block_size=self.drafter.block_size,
-            seed=cfg.training.seed, pin_memory=self.device.type == "cuda", stop=self.stop,
-            epochs=cfg.training.epochs)
-        target_stage = TargetStage(extract=self.extractor, inputs=batches, output=features,
-                                   device=self.device, stop=self.stop)
-        reduce = (lambda m: reduce_metrics(m, self.dist)) if self.dist.enabled else None
-        monitor = Monitor({"prefetch": prefetcher, "target": target_stage, "train": self.loop},
-                          {"batches": batches, "features": features}, self.trackers,
-                          every_steps=cfg.logging.every_steps, every_s=cfg.logging.every_s,
-                          reduce=reduce)
-        if self.resume_state is not None:
-            own = self.resume_state.get("rank", {}).get("prefetch") if self.dist.rank else None
-            prefetcher.load_state_dict(own or self.resume_state["prefetch"])
-            monitor.load_state_dict(self.resume_state["monitor"])
-        self._restore_rng()
+        loop, monitor = self.loop, self.pipeline.monitor
         if self.dist.is_main:
-            print(f"training: {self.total_steps} optimizer steps ({self.steps_per_epoch} "
-                  f"batches/epoch x {cfg.training.epochs} epochs / grad_accum "
-                  f"{cfg.training.grad_accum}), {len(self.store)} samples, device {self.device}, "
-                  f"run dir {self.run_dir}", flush=True)
+            per_epoch = [self.parts.plans.num_steps(e) for e in range(cfg.training.epochs)]
+            print(f"training: {self.total_steps} optimizer steps ({sum(per_epoch)} batches in "
+                  f"{cfg.training.epochs} epoch(s) / grad_accum {cfg.training.grad_accum}), "
+                  f"{len(self.parts.data)} samples, device {self.device}, run dir "
+                  f"{self.run_dir}", flush=True)
         start = time.monotonic()
+        self.trackers.training_started()
         last_save = start
         stopped_by: str | None = None
         tau: float | None = None
         last: dict[str, float] = {}
-        with GracefulStop() as signals, Supervisor(self.stop) as sup:
-            sup.add(prefetcher)
-            sup.add(target_stage)
-            sup.start()
-            items = sup.iterate(features)
-            while self.loop.optimizer_step < self.total_steps:
-                wait_start = time.perf_counter()
-                item = next(items, None)
-                self.loop.note_wait(time.perf_counter() - wait_start)
-                if item is None:
-                    break
-                self.loop.train_micro_batch(item)
-                prefetcher.acknowledge(item.batch)
+        logged_epoch: int | None = None
+        with GracefulStop() as signals, self.pipeline:
+            for item in self.pipeline.batches_trained(
+                    until=lambda: loop.optimizer_step >= self.total_steps):
+                batch = item.batch
+                self.step_buckets.record(batch.bucket)
+                if batch.epoch != logged_epoch:
+                    self._log_plan(batch.epoch)
+                    logged_epoch = batch.epoch
                 if on_batch is not None:
-                    on_batch(item.batch)
-                if self.loop.micro_step % cfg.training.grad_accum:
+                    on_batch(batch)
+                if loop.micro_step % cfg.training.grad_accum:
                     continue
-                step = self.loop.optimizer_step
+                step = loop.optimizer_step
                 last = monitor.maybe_log(step) or last
                 tau = self._maybe_eval(step)
                 new_best = self._new_best_eval(tau, step)
@@ -460,14 +422,14 @@ class Trainer:
                 if new_best or self._should_checkpoint(last_save):
                     # A checkpoint step is a log step: the run totals it saves are exact.
                     last = monitor.final(step) or last
-                    self.save_checkpoint(prefetcher, monitor, eval_tau=tau)
+                    self.save_checkpoint(eval_tau=tau)
                     last_save = time.monotonic()
-            self.loop.check_nonfinite()
-            last = monitor.final(self.loop.optimizer_step) or last
+            loop.check_nonfinite()
+            last = monitor.final(loop.optimizer_step) or last
             # Not checkpointer.last_saved_step: only rank 0 writes, and asynchronously, so
             # ranks would disagree and the snapshot's collectives would hang.
-            if self._snapshot_step != self.loop.optimizer_step:
-                self.save_checkpoint(prefetcher, monitor, eval_tau=tau)
+            if self._snapshot_step != loop.optimizer_step:
+                self.save_checkpoint(eval_tau=tau)
         self.stopped_by = stopped_by or "completed"
         self._finish(self.stopped_by, time.monotonic() - start)
         return last
@@ -522,28 +484,27 @@ class Trainer:
             drafter.load_state_dict(sharded_state)
         out = export_drafter(drafter, self.run_dir / "drafter", target_config=self.target.config)
         best = ""
-        if self.best is not None:
-            best = (f"; best checkpoint step-{self.best['step']} "
-                    f"({self.best['metric']} {self.best['value']:.4g})")
+        if self._best.best is not None:
+            b = self._best.best
+            best = f"; best checkpoint step-{b['step']} ({b['metric']} {b['value']:.4g})"
         print(f"training {stopped_by} after {self.loop.optimizer_step} steps in {seconds:.0f} s; "
               f"drafter exported to {out}; checkpoints in {self.ckpt_dir}{best}", flush=True)
 
     def close(self) -> None:
-        """Finish pending checkpoint writes, close trackers and hooks; idempotent.
+        """Stop the pipeline, finish pending checkpoint writes, close trackers and hooks;
+        idempotent.
 
         Safe after a failure and on a partly built trainer. Every part is closed; the first
         error is re-raised afterwards.
         """
-        if hasattr(self, "stop"):
-            self.stop.set()
         first_error: BaseException | None = None
-        for name in ("checkpointer", "trackers", "extractor"):
+        for name in ("pipeline", "checkpointer", "trackers", "parts"):
             part = getattr(self, name, None)
             if part is None:
                 continue
             try:
                 part.close()
-            except BaseException as exc:  # noqa: BLE001 - the others must still be closed
+            except BaseException as exc:  # the others must still be closed
                 first_error = first_error or exc
         if first_error is not None:
             raise first_error
@@ -568,7 +529,7 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     except BaseException:
         try:
             trainer.close()
-        except BaseException:  # noqa: BLE001 - the original failure is the one to report
+        except BaseException:  # the original failure is the one to report
             log.exception("error while closing after a failure")
         raise
     trainer.close()

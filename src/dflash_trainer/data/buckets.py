@@ -3,9 +3,11 @@
 One epoch's plan is a pure function of (lengths, pipeline config, seed, epoch, world size), so
 every rank builds the same plan and a resumed run rebuilds it. A step is one bucket and one
 batch per data-parallel rank; batches are packed under ``tokens_per_batch`` counting padding
-(rows * longest row). Steps are ordered so that the next bucket is drawn with probability
-proportional to its remaining steps, with at most ``max_run`` consecutive steps of one bucket
-whenever some order allows it (otherwise the smallest achievable run, reported).
+(rows * longest row). With ``order: interleave`` (the default) steps are ordered so that the
+next bucket is drawn with probability proportional to its remaining steps, with at most
+``max_run`` consecutive steps of one bucket whenever some order allows it (otherwise the
+smallest achievable run, reported). ``order: shuffle`` is a plain shuffle of the same steps,
+kept to measure what the interleaving changes (``benchmarks/interleave.py``).
 
 Rank alignment: a bucket's batch count is made a multiple of the world size by re-packing it
 into more, smaller batches (balanced, so the ranks of a step do similar work). When a bucket
@@ -53,7 +55,8 @@ class PlanStats:
     max_run: int
     """Longest run of consecutive steps from one bucket."""
     run_limit: int
-    """``max_run`` from the config, or the smallest achievable run when it is not."""
+    """``max_run`` from the config, or the smallest achievable run when it is not; with
+    ``order: shuffle``, which bounds nothing, the longest run itself."""
     steps_per_bucket: tuple[int, ...]
     samples_per_bucket: tuple[int, ...]
 
@@ -132,8 +135,13 @@ def build_plan(lengths: np.ndarray, cfg: PipelineConfig, *, seed: int, epoch: in
     if sum(counts) == 0:
         raise ValueError(f"{len(lengths)} samples cannot give each of the {world_size} "
                          f"data-parallel ranks a batch; use more data or fewer ranks")
-    run_limit = max(cfg.max_run, min_feasible_run(counts))
-    sequence = interleave(counts, run_limit, np.random.default_rng(seeds[-1]))
+    order_rng = np.random.default_rng(seeds[-1])
+    if cfg.order == "shuffle":
+        sequence = shuffled_order(counts, order_rng)
+        run_limit = longest_run(sequence)
+    else:
+        run_limit = max(cfg.max_run, min_feasible_run(counts))
+        sequence = interleave(counts, run_limit, order_rng)
     cursors = [0] * num_buckets
     ordered = []
     for b in sequence:
@@ -161,6 +169,8 @@ def _validate(lengths: np.ndarray, cfg: PipelineConfig, epoch: int, world_size: 
         raise ValueError(f"pipeline.max_batch_size must be >= 1, got {cfg.max_batch_size}")
     if cfg.num_buckets < 1 or cfg.max_run < 1:
         raise ValueError("pipeline.num_buckets and pipeline.max_run must be >= 1")
+    if cfg.order not in ("interleave", "shuffle"):
+        raise ValueError(f"pipeline.order must be 'interleave' or 'shuffle', got {cfg.order!r}")
     if world_size < 1 or epoch < 0:
         raise ValueError(f"world_size must be >= 1 and epoch >= 0, got {world_size}, {epoch}")
     if sort_window is not None and sort_window < 1:
@@ -296,6 +306,12 @@ def interleave(counts: list[int], max_run: int, rng: np.random.Generator) -> lis
         remaining[b] -= 1
         sequence.append(b)
     return sequence
+
+
+def shuffled_order(counts: list[int], rng: np.random.Generator) -> list[int]:
+    """Bucket id of each step: ``counts[b]`` steps of bucket b in a uniformly random order."""
+    ids = np.repeat(np.arange(len(counts)), counts)
+    return ids[rng.permutation(len(ids))].tolist()
 
 
 def longest_run(buckets: list[int]) -> int:

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from dflash_trainer.assets import write_dir_atomically
+from dflash_trainer.fsutil import write_dir_atomically
 
 FORMAT_VERSION = 1
 _FILES = ("tokens.bin", "loss_mask.bin", "offsets.npy", "supervised.npy", "meta.json")
@@ -126,6 +126,10 @@ class TokenStore:
 
     def __len__(self) -> int:
         return len(self.lengths)
+
+    def token_ids(self) -> np.ndarray:
+        """The distinct token ids in the store, ascending (one pass over the token file)."""
+        return np.flatnonzero(np.bincount(self._tokens)) if len(self._tokens) else self._tokens
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids int32, loss_mask uint8) of sample ``i``, as fresh arrays."""

@@ -8,7 +8,10 @@ ShareGPT set.
 
 Accepted records: OpenAI ``{"messages": [{"role", "content"}]}``, ShareGPT
 ``{"conversations": [{"from", "value"}]}`` and pre-tokenized ``{"input_ids", "loss_mask"}``.
-Roles are normalised to ``system`` / ``user`` / ``assistant``.
+Roles are normalised to ``system`` / ``user`` / ``assistant``. Text files may start with a
+UTF-8 byte order mark; a record holding bytes that are not UTF-8 is malformed (file and line
+named, skippable with ``data.on_error=skip``). Tool-use messages (role ``tool``/``function``,
+``tool_calls``, ``function_call``) are malformed too: see :data:`TOOL_USE_MESSAGE`.
 
 Every record comes out as a :class:`Conversation`, a :class:`Tokenized` sample or a
 :class:`Rejected` one, each carrying its :class:`Location` (file and line, or record index), so
@@ -20,11 +23,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from dflash_trainer import assets
+from dflash_trainer.errors import DataError
 
 EMBEDDED_SHAREGPT = "sharegpt"
 ROLE_ALIASES = {
@@ -34,15 +38,19 @@ ROLE_ALIASES = {
     "bard": "assistant",
 }
 FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".arrow")
+TOOL_ROLES = ("tool", "function", "ipython")
+TOOL_USE_MESSAGE = ("tool-use messages are not supported (role 'tool'/'function', 'tool_calls' or "
+                    "'function_call'): the default target's chat template has no tool rendering; "
+                    "drop these conversations or use data.on_error=skip (see docs/data.md)")
+CONTENT_PART_SEPARATOR = "\n"
+"""Joins the text parts of one OpenAI ``content`` list (as vLLM and SGLang do)."""
 _CHUNK_CHARS = 1 << 20
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
+_UNDECODABLE = re.compile("[\udc80-\udcff]")
+"""Bytes that are not UTF-8, as ``surrogateescape`` decodes them."""
 
 Format = Literal["auto", "messages", "sharegpt", "tokenized", "hf"]
 OnError = Literal["raise", "skip", "auto"]
-
-
-class DataError(ValueError):
-    """Bad input data or a data path that cannot be read; the message names file and line."""
 
 
 @dataclass(frozen=True)
@@ -204,6 +212,18 @@ def read_source(source: Source, *, format: Format = "auto",
         if isinstance(record, Rejected) and record.reason == "malformed":
             stats.malformed += 1
         yield record
+    if stats.records == 0:
+        raise DataError(f"data file {str(source.path)!r} is empty (no records); remove it from "
+                        "data.paths or fill it")
+
+
+def apply_on_error(record: Record, policy: Literal["raise", "skip"]) -> Record:
+    """``record`` itself, unless it is malformed under the ``raise`` policy: then
+    :class:`DataError` naming its file and line (``skip`` lets it through to be counted)."""
+    if isinstance(record, Rejected) and record.reason == "malformed" and policy == "raise":
+        raise DataError(f"{record.describe()} (with data.on_error=skip such records are skipped "
+                        "and counted instead)")
+    return record
 
 
 def normalize_record(raw: Any, location: Location, format: Format = "auto") -> Record:
@@ -237,6 +257,15 @@ class _Malformed(Exception):
     pass
 
 
+def drop_leading_assistant(messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], int]:
+    """``messages`` without the assistant messages before the first user message (they answer
+    no prompt), and how many were removed; without a user message every assistant one goes."""
+    roles = [m["role"] for m in messages]
+    first_user = roles.index("user") if "user" in roles else len(roles)
+    kept = [m for i, m in enumerate(messages) if i >= first_user or m["role"] != "assistant"]
+    return kept, len(messages) - len(kept)
+
+
 def _messages(turns: Any, role_key: str, content_key: str) -> list[dict[str, str]]:
     if not isinstance(turns, list):
         raise _Malformed(f"expected a list of messages, got {type(turns).__name__}")
@@ -244,6 +273,9 @@ def _messages(turns: Any, role_key: str, content_key: str) -> list[dict[str, str
     for j, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise _Malformed(f"message {j}: expected an object, got {type(turn).__name__}")
+        if (str(turn.get(role_key, "")).strip().lower() in TOOL_ROLES
+                or turn.get("tool_calls") or turn.get("function_call")):
+            raise _Malformed(f"message {j}: {TOOL_USE_MESSAGE}")
         for key in (role_key, content_key):
             if key not in turn:
                 raise _Malformed(f"message {j}: missing field {key!r} (has {sorted(turn)})")
@@ -268,7 +300,7 @@ def _content(value: Any, j: int) -> str:
                 raise _Malformed(f"message {j}: content part of type {kind!r} is not supported "
                                  "(text only)")
             texts.append(part["text"])
-        return "".join(texts)
+        return CONTENT_PART_SEPARATOR.join(texts)
     raise _Malformed(f"message {j}: content must be a string, got {type(value).__name__}")
 
 
@@ -291,14 +323,34 @@ def _tokenized(raw: dict, location: Location) -> Record:
 RawItem = tuple[Location, Any]
 
 
+def _undecodable(text: str) -> str | None:
+    """A message naming the first non-UTF-8 byte of ``text`` (decoded with surrogateescape)."""
+    found = _UNDECODABLE.search(text)
+    if found is None:
+        return None
+    byte = ord(found.group()) - 0xDC00
+    return (f"invalid UTF-8 byte 0x{byte:02x} at character {found.start() + 1} of the record; "
+            "re-encode the file as UTF-8")
+
+
+def _open_text(path: Path) -> Any:
+    # utf-8-sig reads a byte order mark; surrogateescape keeps invalid bytes so that the one
+    # record holding them is reported (and skippable) instead of the whole file failing.
+    return open(path, encoding="utf-8-sig", errors="surrogateescape")
+
+
 def _jsonl_records(path: Path, stats: SourceStats) -> Iterator[RawItem]:
     index = 0
-    with open(path, encoding="utf-8", errors="strict") as f:
+    with _open_text(path) as f:
         for line_no, line in enumerate(f, start=1):
             if not line.strip():
                 continue
             location = Location(str(path), index, line_no)
             index += 1
+            problem = _undecodable(line)
+            if problem is not None:
+                yield location, Rejected("malformed", problem, location)
+                continue
             try:
                 yield location, json.loads(line)
             except json.JSONDecodeError as exc:
@@ -315,9 +367,11 @@ def _json_records(path: Path, stats: SourceStats) -> Iterator[RawItem]:
     array, so reading stops there (``stats.stopped_at_error``).
     """
     decoder = json.JSONDecoder()
-    with open(path, encoding="utf-8") as f:
+    with _open_text(path) as f:
         buf = f.read(_CHUNK_CHARS)
         eof = len(buf) < _CHUNK_CHARS
+        if eof and not buf.strip():
+            return  # an empty file has no records (the caller reports it as empty)
 
         def refill(keep_from: int, size: int = _CHUNK_CHARS) -> None:
             # Drop what was consumed, so memory stays bounded by the largest record.
@@ -387,7 +441,8 @@ def _json_records(path: Path, stats: SourceStats) -> Iterator[RawItem]:
                 refill(pos)
                 pos = 0
                 continue
-            yield location, obj
+            problem = _undecodable(buf[pos:end])
+            yield location, (obj if problem is None else Rejected("malformed", problem, location))
             index += 1
             line += buf.count("\n", pos, end)
             pos = end
@@ -432,24 +487,15 @@ def _rows(path: Path, batches: Any) -> Iterator[RawItem]:
             index += 1
 
 
-@dataclass(kw_only=True)
-class ReadStats:
-    """Per-file statistics of one pass over ``data.paths``."""
-
-    sources: list[SourceStats] = field(default_factory=list)
-
-
-def read_records(sources: list[Source], *, format: Format = "auto",
-                 on_error: OnError = "auto", stats: ReadStats | None = None) -> Iterator[Record]:
+def read_records(sources: list[Source], *, format: Format = "auto", on_error: OnError = "auto",
+                 stats: list[SourceStats] | None = None) -> Iterator[Record]:
     """All records of all sources in order; a malformed record raises :class:`DataError` unless
-    the source's :func:`on_error_policy` is ``skip`` (then it comes out as :class:`Rejected`)."""
-    stats = stats if stats is not None else ReadStats()
+    the source's :func:`on_error_policy` is ``skip`` (then it comes out as :class:`Rejected`).
+    ``stats`` (if given) receives one :class:`SourceStats` per file as it is read."""
     for source in sources:
         source_stats = SourceStats(path=str(source.path))
-        stats.sources.append(source_stats)
+        if stats is not None:
+            stats.append(source_stats)
         policy = on_error_policy(on_error, source)
         for record in read_source(source, format=format, stats=source_stats):
-            if isinstance(record, Rejected) and record.reason == "malformed" and policy == "raise":
-                raise DataError(f"{record.describe()}\n(data.on_error=skip would skip and count "
-                                "such records instead)")
-            yield record
+            yield apply_on_error(record, policy)

@@ -4,7 +4,13 @@
 :class:`~dflash_trainer.data.cache.TokenStore` for the config, reusing the cached one when the
 data files, tokenizer, chat template and options are unchanged. The first
 ``data.heldout_samples`` records of the first ``data.paths`` entry never enter training; they are
-the evaluation prompts of :func:`heldout_conversations`.
+the evaluation prompts of :func:`heldout_conversations`; they may be at most
+:data:`HELDOUT_MAX_SHARE` of that entry's records (a larger share is refused).
+
+No data disappears silently: a file with no records, a file none of whose records became a
+sample and a store with no samples are errors; every dropped record is counted by reason and
+listed with its file and line in the store's ``dropped.jsonl``; :func:`build_dataset` logs the
+counts (``prepare`` and ``train`` both print them).
 """
 
 from __future__ import annotations
@@ -17,20 +23,44 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import numpy as np
 
-from dflash_trainer.assets import (AssetError, atomic_write_text, cache_root, load_tokenizer,
-                                   resolve_target)
+from dflash_trainer.assets import cache_root, load_tokenizer, resolve_target
 from dflash_trainer.config import Config, config_to_dict, save_config
-from dflash_trainer.data.cache import (FORMAT_VERSION, TokenStore, TokenStoreWriter,
-                                       file_fingerprint, find_store, fingerprint,
-                                       tokenizer_fingerprint)
-from dflash_trainer.data.formats import (Conversation, DataError, Record, Rejected, Source,
-                                         SourceStats, Tokenized, expand_paths, on_error_policy,
-                                         read_source)
-from dflash_trainer.data.tokenize import ChatTokenizer, Dropped, Encoded, TokenizeOptions
+from dflash_trainer.data.cache import (
+    FORMAT_VERSION,
+    TokenStore,
+    TokenStoreWriter,
+    file_fingerprint,
+    find_store,
+    fingerprint,
+    tokenizer_fingerprint,
+)
+from dflash_trainer.data.coverage import format_coverage, store_coverage
+from dflash_trainer.data.formats import (
+    Conversation,
+    DataError,
+    Record,
+    Rejected,
+    Source,
+    SourceStats,
+    Tokenized,
+    apply_on_error,
+    drop_leading_assistant,
+    expand_paths,
+    on_error_policy,
+    read_source,
+)
+from dflash_trainer.data.tokenize import (
+    ChatTokenizer,
+    Dropped,
+    Encoded,
+    TokenizeOptions,
+)
+from dflash_trainer.errors import ConfigError
+from dflash_trainer.fsutil import atomic_write_text
 
 DROP_REASONS = ("malformed", "empty", "no_assistant", "too_short", "too_long")
 _DROP_LABELS = {"malformed": "malformed", "empty": "empty conversation",
@@ -39,6 +69,10 @@ _DROP_LABELS = {"malformed": "malformed", "empty": "empty conversation",
 _BATCH = 256
 _EXAMPLES_PER_REASON = 3
 _PROGRESS_EVERY_S = 5.0
+HELDOUT_MAX_SHARE = 0.5
+"""The held-out split takes at most this share of the first ``data.paths`` entry's records."""
+DROPPED_FILE = "dropped.jsonl"
+"""Every dropped record of a store: ``{"reason", "message"}`` (the message names file and line)."""
 
 Log = Callable[[str], None]
 
@@ -83,6 +117,14 @@ class PrepareStats:
         if len(examples) < _EXAMPLES_PER_REASON:
             examples.append(message)
 
+    def summary(self) -> str:
+        """One line of counts: read, held out, kept, dropped by reason, truncated."""
+        reasons = ", ".join(f"{_DROP_LABELS[r]} {n:,}" for r, n in self.dropped.items() if n)
+        dropped = sum(self.dropped.values())
+        return (f"{self.records_read:,} records read (+{self.heldout:,} held out), "
+                f"{self.kept:,} kept, {dropped:,} dropped" + (f" ({reasons})" if reasons else "")
+                + f", {self.truncated:,} truncated to data.max_length")
+
 
 def cache_dir(cfg: Config) -> Path:
     """Folder holding the token stores: ``data.cache_dir`` or ``<user cache>/tokens``."""
@@ -100,7 +142,14 @@ def build_dataset(cfg: Config, *, tokenizer: Any = None,
     log = log or (lambda _: None)
     sources = expand_paths(cfg.data.paths)
     if tokenizer is None:
-        tokenizer = load_tokenizer(resolve_target(cfg.model.target))
+        target = resolve_target(cfg.model.target)
+        tokenizer = load_tokenizer(target)
+    else:
+        # The folder the tokenizer was loaded from is the target's (unless built in memory).
+        name = getattr(tokenizer, "name_or_path", "")
+        target = Path(name) if name and Path(name).is_dir() else None
+    if target is not None:
+        check_context_length(cfg, target)
     options = TokenizeOptions.from_config(cfg)
     key_parts = {
         "format_version": FORMAT_VERSION,
@@ -119,6 +168,10 @@ def build_dataset(cfg: Config, *, tokenizer: Any = None,
         stats = PrepareStats.from_dict(store.stats)
         stats.reused, stats.cache_path = True, str(path)
         log(f"prepare: reusing the token store {path}")
+        log(f"data: {stats.summary()}; dropped records listed in {path / DROPPED_FILE}")
+        if len(store) == 0:
+            raise DataError(f"the token store {path} has no samples ({stats.summary()}); "
+                            "delete it and check data.paths")
         return store, stats
 
     chat = ChatTokenizer(tokenizer, options)
@@ -129,13 +182,37 @@ def build_dataset(cfg: Config, *, tokenizer: Any = None,
 
     def fill(writer: TokenStoreWriter) -> dict[str, Any]:
         started = time.monotonic()
-        _tokenize_into(writer, cfg, sources, chat, stats, log)
+        with open(writer.folder / DROPPED_FILE, "w", encoding="utf-8") as dropped_file:
+            _tokenize_into(writer, cfg, sources, chat, stats, log, dropped_file)
         stats.build_time_s = round(time.monotonic() - started, 3)
         stats.cache_path = str(path)
         return {"key": key_parts, "stats": stats.to_dict(), "config": config_to_dict(cfg)}
 
     log(f"prepare: tokenizing {', '.join(cfg.data.paths)} into {path}")
-    return TokenStore.build(path, fill), stats
+    store = TokenStore.build(path, fill)
+    log(f"data: {stats.summary()}; dropped records listed in {path / DROPPED_FILE}")
+    return store, stats
+
+
+def target_context_length(target: Path) -> int | None:
+    """``max_position_embeddings`` of a target folder's ``config.json`` (None when unknown)."""
+    try:
+        config = json.loads((Path(target) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config") or config
+    value = config.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) else None
+
+
+def check_context_length(cfg: Config, target: Path) -> None:
+    """Refuse a ``data.max_length`` longer than the target's context (its positions past the
+    context have no trained rotary embedding, so its features there are meaningless)."""
+    context = target_context_length(target)
+    if context is not None and cfg.data.max_length > context:
+        raise ConfigError(f"data.max_length={cfg.data.max_length} is longer than the target's "
+                          f"context of {context} tokens ({Path(target) / 'config.json'}: "
+                          f"max_position_embeddings); set data.max_length <= {context}")
 
 
 def _split(cfg: Config, sources: list[Source], source_stats: list[SourceStats]
@@ -148,9 +225,7 @@ def _split(cfg: Config, sources: list[Source], source_stats: list[SourceStats]
         source_stats.append(stats)
         policy = on_error_policy(cfg.data.on_error, source)
         for record in read_source(source, format=cfg.data.format, stats=stats):
-            if isinstance(record, Rejected) and record.reason == "malformed" and policy == "raise":
-                raise DataError(f"{record.describe()}\n(with data.on_error=skip such records are "
-                                "skipped and counted instead)")
+            record = apply_on_error(record, policy)
             held = heldout_left > 0 and source.origin == sources[0].origin
             if held:
                 heldout_left -= 1
@@ -158,21 +233,29 @@ def _split(cfg: Config, sources: list[Source], source_stats: list[SourceStats]
 
 
 def _tokenize_into(writer: TokenStoreWriter, cfg: Config, sources: list[Source],
-                   chat: ChatTokenizer, stats: PrepareStats, log: Log) -> None:
+                   chat: ChatTokenizer, stats: PrepareStats, log: Log, dropped_file: TextIO) -> None:
     source_stats: list[SourceStats] = []
     batch: list[tuple[Conversation | Tokenized, Source]] = []
+    kept_per_file: dict[str, int] = {}
+    read_per_file: dict[str, int] = {}
     started = last_log = time.monotonic()
 
+    def drop(reason: str, message: str) -> None:
+        stats.drop(reason, message)
+        dropped_file.write(json.dumps({"reason": reason, "message": message}) + "\n")
+
     def flush() -> None:
-        for (record, source), result in zip(batch, chat.encode_batch([r for r, _ in batch])):
+        for (_record, source), result in zip(batch, chat.encode_batch([r for r, _ in batch])):
             if isinstance(result, Dropped):
                 if (result.reason == "malformed"
                         and on_error_policy(cfg.data.on_error, source) == "raise"):
-                    raise DataError(result.message)
-                stats.drop(result.reason, result.message)
+                    raise DataError(f"{result.message} (with data.on_error=skip such records "
+                                    "are skipped and counted instead)")
+                drop(result.reason, result.message)
                 continue
             assert isinstance(result, Encoded)
             writer.add(result.input_ids, result.loss_mask)
+            kept_per_file[str(source.path)] = kept_per_file.get(str(source.path), 0) + 1
             stats.kept += 1
             stats.total_tokens += len(result.input_ids)
             stats.supervised_tokens += int(result.loss_mask.sum())
@@ -189,8 +272,9 @@ def _tokenize_into(writer: TokenStoreWriter, cfg: Config, sources: list[Source],
             if limit is not None and stats.records_read >= limit:
                 break  # only reached with max_samples=0
             stats.records_read += 1
+            read_per_file[str(source.path)] = read_per_file.get(str(source.path), 0) + 1
             if isinstance(record, Rejected):
-                stats.drop(record.reason, record.describe())
+                drop(record.reason, record.describe())
             else:
                 batch.append((record, source))
             if len(batch) >= _BATCH:
@@ -209,6 +293,34 @@ def _tokenize_into(writer: TokenStoreWriter, cfg: Config, sources: list[Source],
         flush()
     finally:
         stats.sources = [dataclasses.asdict(s) for s in source_stats]
+    _check_heldout_share(cfg, sources, source_stats, stats)
+    _check_nothing_lost(read_per_file, kept_per_file, stats)
+
+
+def _check_heldout_share(cfg: Config, sources: list[Source], source_stats: list[SourceStats],
+                         stats: PrepareStats) -> None:
+    first = [s for src, s in zip(sources, source_stats) if src.origin == sources[0].origin]
+    if not stats.heldout or any(s.stopped_early for s in first):
+        return  # only a fully read first entry tells its size
+    total = sum(s.records for s in first)
+    if stats.heldout > HELDOUT_MAX_SHARE * total:
+        allowed = int(HELDOUT_MAX_SHARE * total)
+        raise DataError(f"data.heldout_samples={cfg.data.heldout_samples} would hold out "
+                        f"{stats.heldout} of the {total} records of {sources[0].origin!r} "
+                        f"(at most {HELDOUT_MAX_SHARE:.0%} may be held out); set "
+                        f"data.heldout_samples={allowed} or less (0 holds none out)")
+
+
+def _check_nothing_lost(read_per_file: dict[str, int], kept_per_file: dict[str, int],
+                        stats: PrepareStats) -> None:
+    where = (f"counts: {stats.summary()}; see the examples in the prepare report and check "
+             "data.max_length, data.min_supervised_tokens and data.on_too_long")
+    if stats.kept == 0:
+        raise DataError(f"no training samples: {where}")
+    for path, read in read_per_file.items():
+        if not kept_per_file.get(path):
+            raise DataError(f"data file {path!r}: none of its {read} records read for training "
+                            f"became a sample; {where}")
 
 
 def heldout_conversations(cfg: Config) -> list[list[dict[str, str]]]:
@@ -221,12 +333,9 @@ def heldout_conversations(cfg: Config) -> list[list[dict[str, str]]]:
             break
         if not isinstance(record, Conversation):
             continue
-        roles = [m["role"] for m in record.messages]
-        if "user" not in roles:
+        if not any(m["role"] == "user" for m in record.messages):
             continue
-        first_user = roles.index("user")
-        conversations.append([m for i, m in enumerate(record.messages)
-                              if i >= first_user or m["role"] != "assistant"])
+        conversations.append(drop_leading_assistant(record.messages)[0])
     return conversations
 
 
@@ -297,12 +406,9 @@ def format_report(stats: PrepareStats, store: TokenStore, max_length: int) -> st
 def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     """The ``prepare`` command: build (or reuse) the token store and print its statistics."""
     started = time.monotonic()
-    try:
-        store, stats = build_dataset(cfg, log=lambda m: print(m, flush=True))
-    except (DataError, AssetError) as exc:
-        print(f"dflash-trainer prepare: error: {exc}", file=sys.stderr)
-        return 1
+    store, stats = build_dataset(cfg, log=lambda m: print(m, flush=True))
     print(format_report(stats, store, cfg.data.max_length))
+    print(format_coverage(store_coverage(store, cfg.model.block_size)))
     save_config(cfg, store.path)
     elapsed = time.monotonic() - started
     atomic_write_text(store.path / "stats.json",

@@ -11,18 +11,38 @@ from __future__ import annotations
 import json
 import random
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from dflash_trainer.data.tokenize import reads_enable_thinking
+
 Message = dict[str, str]
+
+
+DEFAULT_REQUEST_TIMEOUT_S = 120.0
+"""Longest wait for one server answer (``--request-timeout``); a hung server is retried, then
+the conversation fails, instead of the run looking frozen."""
 
 
 class GenerationError(RuntimeError):
     """One prompt could not be answered (too long, rejected by the server, retries exhausted)."""
+
+
+class _MalformedBody(Exception):
+    """A 200 answer whose body is not a chat completion: retried like a 5xx."""
+
+
+def check_answer(generation: Generation, *, allow_empty: bool) -> Generation:
+    """``generation`` itself; an empty (or whitespace) answer is a :class:`GenerationError`
+    unless ``allow_empty`` (an empty assistant turn teaches the drafter nothing but the end)."""
+    if not allow_empty and not generation.text.strip():
+        raise GenerationError("the target answered with an empty text (pass --allow-empty to "
+                              "keep such turns)")
+    return generation
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -96,10 +116,7 @@ def resolve_sampling(generation_config: Mapping[str, Any] | None, *, max_new_tok
 
 def template_has_thinking(tokenizer: Any) -> bool:
     """Whether the tokenizer's chat template reads the ``enable_thinking`` switch."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if isinstance(template, dict):
-        template = " ".join(template.values())
-    return "enable_thinking" in template
+    return reads_enable_thinking(getattr(tokenizer, "chat_template", None))
 
 
 class TransformersBackend:
@@ -118,13 +135,12 @@ class TransformersBackend:
         self.sampling = sampling
         self.thinking = thinking
         self.device = next(model.parameters()).device
+        from dflash_trainer.spec_decode import end_of_turn_ids
+
         self.pad_id = tokenizer.pad_token_id
         if self.pad_id is None:
             self.pad_id = tokenizer.eos_token_id
-        eos = model.generation_config.eos_token_id
-        eos_ids = set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
-        if tokenizer.eos_token_id is not None:
-            eos_ids.add(tokenizer.eos_token_id)
+        eos_ids = end_of_turn_ids(tokenizer, model.generation_config)
         if not eos_ids or self.pad_id is None:
             raise GenerationError("the target's tokenizer has no end-of-sequence token; "
                                   "set eos_token_id in its generation_config.json")
@@ -133,10 +149,9 @@ class TransformersBackend:
 
     def encode(self, messages: Sequence[Message]) -> list[int]:
         """Prompt token ids: the chat template with the generation prompt appended."""
-        text = self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True,
-            enable_thinking=self.thinking)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        from dflash_trainer.evaluate import render_prompt
+
+        ids = render_prompt(self.tokenizer, list(messages), thinking=self.thinking)
         limit = self.max_positions
         if limit is not None and len(ids) + self.sampling.max_new_tokens > limit:
             raise GenerationError(
@@ -181,14 +196,15 @@ class OpenAIBackend:
     """An OpenAI-compatible server (vLLM, SGLang) behind ``/v1/chat/completions``.
 
     Thread-safe: one pooled HTTP client serves every worker thread. Connection errors,
-    timeouts, 429 and 5xx answers are retried with exponential backoff and jitter; other
-    4xx answers fail the prompt at once.
+    timeouts (``timeout_s`` per request), 429 and 5xx answers and malformed bodies (not JSON,
+    or not a chat completion) are retried with exponential backoff and jitter; other 4xx
+    answers fail the prompt at once. A ``null`` content comes back as an empty text.
     """
 
     def __init__(self, base_url: str, sampling: SamplingParams, *, model: str | None = None,
                  model_hint: str | None = None, thinking: bool = False,
                  api_key: str | None = None, max_retries: int = 5, backoff_s: float = 1.0,
-                 timeout_s: float = 600.0, max_connections: int = 8) -> None:
+                 timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, max_connections: int = 8) -> None:
         """``base_url`` is the server root or its ``/v1``.
 
         ``model`` is the served model name; by default the server's only model, or
@@ -218,8 +234,12 @@ class OpenAIBackend:
         self.client.close()
 
     def _served_model(self, hint: str | None) -> str:
-        body = self._request("GET", "/models")
-        ids = [m.get("id") for m in body.get("data", []) if isinstance(m, dict)]
+        def models(body: Any) -> list[Any]:
+            if not isinstance(body, dict) or not isinstance(body.get("data"), list):
+                raise _MalformedBody("not a model list")
+            return [m.get("id") for m in body["data"] if isinstance(m, dict)]
+
+        ids = self._request("GET", "/models", parse=models)
         if len(ids) == 1:
             return ids[0]
         if hint in ids:
@@ -239,24 +259,12 @@ class OpenAIBackend:
         if s.top_k is not None:
             # vLLM and SGLang spell "no top-k filtering" as -1 (vLLM rejects 0).
             payload["top_k"] = s.top_k if s.top_k > 0 else -1
-        body = self._request("POST", "/chat/completions", payload)
-        try:
-            choice = body["choices"][0]
-            message = choice["message"]
-            text = message.get("content") or ""
-        except (KeyError, IndexError, TypeError, AttributeError) as exc:
-            raise GenerationError(f"unexpected chat completion response: "
-                                  f"{json.dumps(body)[:300]}") from exc
-        # Servers started with a reasoning parser return the thinking part separately;
-        # put it back where the chat template expects it.
-        reasoning = message.get("reasoning_content") or message.get("reasoning")
-        if reasoning:
-            text = f"<think>\n{reasoning.strip()}\n</think>\n\n{text.lstrip()}"
-        usage = body.get("usage") or {}
-        return Generation(text=text, num_tokens=int(usage.get("completion_tokens") or 0),
-                          truncated=choice.get("finish_reason") == "length")
+        return self._request("POST", "/chat/completions", payload, parse=_parse_completion)
 
-    def _request(self, method: str, path: str, payload: Any = None) -> dict[str, Any]:
+    def _request(self, method: str, path: str, payload: Any = None, *,
+                 parse: Callable[[Any], Any]) -> Any:
+        """``parse(body)`` of the first good answer; retries transport errors, 429, 5xx and
+        bodies that are not JSON or that ``parse`` rejects with ``_MalformedBody``."""
         url = self.base_url + path
         last = ""
         for attempt in range(self.max_retries + 1):
@@ -279,11 +287,32 @@ class OpenAIBackend:
                 raise GenerationError(f"{method} {url}: HTTP {response.status_code}: "
                                       f"{response.text[:500]}")
             try:
-                return response.json()
-            except ValueError as exc:
-                raise GenerationError(f"{method} {url}: response is not JSON: "
-                                      f"{response.text[:300]}") from exc
+                return parse(response.json())
+            except (ValueError, _MalformedBody) as exc:
+                last = f"malformed answer ({exc}): {response.text[:300]!r}"
+                continue
         if self.stop.is_set():
             raise GenerationError(f"{method} {url}: stopped")
         raise GenerationError(f"{method} {url}: failed after {self.max_retries + 1} attempts; "
                               f"last error: {last}")
+
+
+def _parse_completion(body: Any) -> Generation:
+    """A chat completion body as a :class:`Generation`; ``_MalformedBody`` if it is not one."""
+    try:
+        choice = body["choices"][0]
+        message = choice["message"]
+        text = message.get("content") or ""
+    except (KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise _MalformedBody(f"not a chat completion: {json.dumps(body)[:200]}") from exc
+    if not isinstance(text, str):
+        raise _MalformedBody(f"content is {type(text).__name__}, not text")
+    # Servers started with a reasoning parser return the thinking part separately;
+    # put it back where the chat template expects it.
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    if reasoning:
+        text = f"<think>\n{reasoning.strip()}\n</think>\n\n{text.lstrip()}"
+    usage = body.get("usage")
+    tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return Generation(text=text, num_tokens=int(tokens or 0),
+                      truncated=choice.get("finish_reason") == "length")

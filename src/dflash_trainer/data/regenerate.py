@@ -9,7 +9,8 @@ is OpenAI ``messages`` JSONL, one ``{"id", "messages"}`` line per conversation, 
 The output is resumable: each record is one complete line, appended and fsynced on its own, so
 a crash loses only the conversations in flight; a rerun skips ids already written and cuts off a
 partial trailing line. Failed conversations go to ``<out>.failures.jsonl`` with their error and
-are retried by the next run.
+are retried by the next run. An empty answer fails its conversation (unless ``allow_empty``), and
+a progress line is printed at least every 10 s, also while nothing completes.
 """
 
 from __future__ import annotations
@@ -28,12 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from dflash_trainer.assets import AssetError
 from dflash_trainer.config import save_config
 from dflash_trainer.data.formats import (
     Conversation,
-    DataError,
     Rejected,
+    drop_leading_assistant,
     expand_paths,
     read_records,
 )
@@ -43,10 +43,12 @@ from dflash_trainer.data.regen_backends import (
     Message,
     OpenAIBackend,
     TransformersBackend,
+    check_answer,
     read_generation_config,
     resolve_sampling,
     template_has_thinking,
 )
+from dflash_trainer.errors import ConfigError, ServerError, UserError
 
 SourceConversation = tuple[str, Sequence[Message]]
 """(stable id, messages) of one input conversation."""
@@ -60,8 +62,10 @@ class RejectedInput:
     reason: str
 
 
-class RegenerateError(RuntimeError):
+class RegenerateError(UserError, RuntimeError):
     """A user-facing error that stops the run (bad output file, too many failures)."""
+
+    kind = "regenerate error"
 
 
 class ConversationJob:
@@ -83,8 +87,7 @@ class ConversationJob:
             raise GenerationError("conversation has no user turn")
         # As in prepare: an assistant opening (a greeting before any user turn) answers no
         # prompt, so it is dropped (and counted) rather than failing the conversation.
-        self.trimmed_leading = sum(m["role"] == "assistant" for m in source[:first_user])
-        source = [m for i, m in enumerate(source) if i >= first_user or m["role"] != "assistant"]
+        source, self.trimmed_leading = drop_leading_assistant(source)
         for i, message in enumerate(source):
             if message["role"] == "assistant" and source[i - 1]["role"] != "user":
                 raise GenerationError(f"assistant turn at message {i} does not follow a user "
@@ -213,10 +216,14 @@ class JsonlAppender:
 
 
 class ProgressReporter:
-    """Conversations done of total, with rate and ETA: a rich bar on a TTY, else plain lines."""
+    """Conversations done of total, with rate and ETA: a rich bar on a TTY, else plain lines,
+    at least every ``every_s`` seconds (a heartbeat thread prints while nothing completes)."""
 
     def __init__(self, total: int, *, stream: TextIO | None = None, enabled: bool = True,
                  every_s: float = 10.0) -> None:
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
         self.total = total
         self.done = 0
         self.tokens = 0
@@ -228,14 +235,42 @@ class ProgressReporter:
         self._rich: Any = None
         if enabled and self.stream.isatty():
             from rich.console import Console
-            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                       TimeElapsedColumn, TimeRemainingColumn)
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
             self._rich = Progress(
                 TextColumn("regenerate"), BarColumn(), MofNCompleteColumn(),
                 TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"),
                 TimeRemainingColumn(), console=Console(file=self.stream))
             self._task = self._rich.add_task("regenerate", total=total, rate="")
             self._rich.start()
+        elif enabled:
+            self._heartbeat = threading.Thread(target=self._beat, name="regenerate-progress",
+                                               daemon=True)
+            self._heartbeat.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every_s / 4):
+            self._print(force=False)
+
+    def _print(self, *, force: bool) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if not force and now - self._last_print < self.every_s:
+                return
+            self._last_print = now
+            elapsed = max(now - self.start, 1e-9)
+            rate = f"{self.done / elapsed:.2f} conv/s {self.tokens / elapsed:.0f} tok/s"
+            left = (self.total - self.done) * elapsed / self.done if self.done else 0.0
+            pct = 100.0 * self.done / self.total if self.total else 100.0
+            eta = _hms(left) if self.done else "unknown (nothing finished yet)"
+            print(f"regenerate: {self.done}/{self.total} ({pct:.1f}%) {rate} "
+                  f"elapsed {_hms(elapsed)} ETA {eta}", file=self.stream, flush=True)
 
     def update(self, *, conversations: int = 1, tokens: int = 0) -> None:
         """Count finished conversations (written or failed) and generated tokens."""
@@ -243,21 +278,19 @@ class ProgressReporter:
         self.tokens += tokens
         if not self.enabled:
             return
-        elapsed = max(time.monotonic() - self.start, 1e-9)
-        rate = f"{self.done / elapsed:.2f} conv/s {self.tokens / elapsed:.0f} tok/s"
         if self._rich is not None:
+            elapsed = max(time.monotonic() - self.start, 1e-9)
+            rate = f"{self.done / elapsed:.2f} conv/s {self.tokens / elapsed:.0f} tok/s"
             self._rich.update(self._task, completed=self.done, rate=rate)
             return
-        now = time.monotonic()
-        if now - self._last_print >= self.every_s or self.done == self.total:
-            self._last_print = now
-            left = (self.total - self.done) * elapsed / self.done if self.done else 0.0
-            pct = 100.0 * self.done / self.total if self.total else 100.0
-            print(f"regenerate: {self.done}/{self.total} ({pct:.1f}%) {rate} "
-                  f"elapsed {_hms(elapsed)} ETA {_hms(left)}", file=self.stream, flush=True)
+        self._print(force=self.done == self.total and conversations > 0)
 
     def close(self) -> None:
-        """Stop the live bar (idempotent)."""
+        """Stop the heartbeat and the live bar (idempotent)."""
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=5.0)
+            self._heartbeat = None
         if self._rich is not None:
             self._rich.stop()
             self._rich = None
@@ -313,13 +346,15 @@ class _Run:
     """Output, failures file, counters and progress shared by both schedulers."""
 
     def __init__(self, out: Path, total: int, summary: RegenerateSummary, *, progress: bool,
-                 max_consecutive_failures: int, max_turns: int | None = None) -> None:
+                 max_consecutive_failures: int, max_turns: int | None = None,
+                 allow_empty: bool = False, progress_every_s: float = 10.0) -> None:
         self.max_turns = max_turns
+        self.allow_empty = allow_empty
         self.writer = JsonlAppender(out)
         self.failures_path = failures_path_for(out)
         self.failures: JsonlAppender | None = None
         self.summary = summary
-        self.progress = ProgressReporter(total, enabled=progress)
+        self.progress = ProgressReporter(total, enabled=progress, every_s=progress_every_s)
         self.max_consecutive_failures = max_consecutive_failures
         self.consecutive_failures = 0
 
@@ -421,6 +456,11 @@ def _run_batched(backend: TransformersBackend, conversations: Iterator[SourceCon
         assert len(generations) == len(batch)
         for job, generation in zip(batch, generations):
             run.count_turn(generation)
+            try:
+                check_answer(generation, allow_empty=run.allow_empty)
+            except GenerationError as exc:
+                run.failed(job.id, exc)
+                continue
             job.answer(generation.text)
             if job.done:
                 run.finished(job)
@@ -428,13 +468,13 @@ def _run_batched(backend: TransformersBackend, conversations: Iterator[SourceCon
                 enqueue(job)
 
 
-def _answer_all(backend: OpenAIBackend, job: ConversationJob,
-                stop: threading.Event) -> list[Generation]:
+def _answer_all(backend: OpenAIBackend, job: ConversationJob, stop: threading.Event,
+                allow_empty: bool) -> list[Generation]:
     generations = []
     while not job.done:
         if stop.is_set():
             raise GenerationError("stopped")
-        generation = backend.chat(job.prompt())
+        generation = check_answer(backend.chat(job.prompt()), allow_empty=allow_empty)
         generations.append(generation)
         job.answer(generation.text)
     return generations
@@ -444,14 +484,14 @@ _Outcome = tuple[ConversationJob, list[Generation], BaseException | None]
 
 
 def _worker(backend: OpenAIBackend, inbox: queue.Queue[ConversationJob],
-            outbox: queue.Queue[_Outcome], stop: threading.Event) -> None:
+            outbox: queue.Queue[_Outcome], stop: threading.Event, allow_empty: bool) -> None:
     while not stop.is_set():
         try:
             job = inbox.get(timeout=0.2)
         except queue.Empty:
             continue
         try:
-            outbox.put((job, _answer_all(backend, job, stop), None))
+            outbox.put((job, _answer_all(backend, job, stop, allow_empty), None))
         except BaseException as exc:  # noqa: BLE001 - forwarded to the main thread
             outbox.put((job, [], exc))
 
@@ -468,7 +508,8 @@ def _run_concurrent(backend: OpenAIBackend, conversations: Iterator[SourceConver
     inbox: queue.Queue[ConversationJob] = queue.Queue(maxsize=concurrency)
     outbox: queue.Queue[_Outcome] = queue.Queue(maxsize=concurrency)
     stop = threading.Event()
-    workers = [threading.Thread(target=_worker, args=(backend, inbox, outbox, stop),
+    workers = [threading.Thread(target=_worker,
+                                args=(backend, inbox, outbox, stop, run.allow_empty),
                                 name=f"regenerate-{i}", daemon=True) for i in range(concurrency)]
     for worker in workers:
         worker.start()
@@ -509,7 +550,8 @@ def _run_concurrent(backend: OpenAIBackend, conversations: Iterator[SourceConver
 def regenerate(conversations: Iterable[SourceConversation | RejectedInput], out: str | Path,
                backend: TransformersBackend | OpenAIBackend, *, batch_size: int = 8,
                concurrency: int = 8, limit: int | None = None, max_turns: int | None = None,
-               progress: bool = True, max_consecutive_failures: int = 32) -> RegenerateSummary:
+               progress: bool = True, max_consecutive_failures: int = 32,
+               allow_empty: bool = False, progress_every_s: float = 10.0) -> RegenerateSummary:
     """Regenerate the assistant turns of ``conversations`` into the JSONL file ``out``.
 
     Ctrl-C stops the run cleanly: the summary comes back with ``interrupted`` set.
@@ -520,7 +562,9 @@ def regenerate(conversations: Iterable[SourceConversation | RejectedInput], out:
     which each run rewrites. Stops with :class:`RegenerateError` after
     ``max_consecutive_failures`` generation failures in a row. ``max_turns`` regenerates only
     the first N assistant turns of each conversation (first turns are most of the tokens a
-    drafter trains on per generated token; later turns re-encode the whole history).
+    drafter trains on per generated token; later turns re-encode the whole history). An empty
+    answer fails its conversation unless ``allow_empty``. With ``progress``, a line is printed
+    at least every ``progress_every_s`` seconds.
     """
     start = time.monotonic()
     out = Path(out)
@@ -547,7 +591,8 @@ def regenerate(conversations: Iterable[SourceConversation | RejectedInput], out:
             seen.add(item[0])
             todo.append(item)
     run = _Run(out, len(todo), summary, progress=progress,
-               max_consecutive_failures=max_consecutive_failures, max_turns=max_turns)
+               max_consecutive_failures=max_consecutive_failures, max_turns=max_turns,
+               allow_empty=allow_empty, progress_every_s=progress_every_s)
     try:
         for item in rejected:
             run.rejected(item)
@@ -605,17 +650,17 @@ def _check_args(args: argparse.Namespace) -> str | None:
         (args.top_k is None or args.top_k >= 0, "--top-k must be >= 0 (0 disables it)"),
         (args.limit is None or args.limit >= 1, "--limit must be >= 1"),
         (args.max_turns is None or args.max_turns >= 1, "--max-turns must be >= 1"),
+        (args.request_timeout > 0, "--request-timeout must be > 0 (seconds)"),
     ]
     return next((message for ok, message in checks if not ok), None)
 
 
 def main(cfg: Any, args: argparse.Namespace) -> int:
-    """CLI handler: 0 when every conversation was written, 1 when some failed, 2 for a usage
-    error, 130 when interrupted."""
+    """CLI handler: 0 when every conversation was written, 1 when some failed, 130 when
+    interrupted; usage (2) and data/server (1) errors are raised as user errors."""
     problem = _check_args(args)
     if problem:
-        print(f"dflash-trainer regenerate: {problem}", file=sys.stderr)
-        return 2
+        raise ConfigError(problem)
     flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     backend: TransformersBackend | OpenAIBackend | None = None
     try:
@@ -635,17 +680,17 @@ def main(cfg: Any, args: argparse.Namespace) -> int:
             backend = OpenAIBackend(
                 args.server_url, sampling, model_hint=cfg.model.target,
                 thinking=cfg.data.thinking, api_key=os.environ.get("OPENAI_API_KEY"),
-                max_connections=args.concurrency)
+                max_connections=args.concurrency, timeout_s=args.request_timeout)
         print(f"regenerate: {args.backend} backend, {backend.sampling.describe()}, "
               f"thinking={'on' if cfg.data.thinking else 'off'}", file=sys.stderr)
         out = Path(args.out)
         save_config(cfg, out.parent, name=f"{out.stem}.config.yaml")
         summary = regenerate(conversations, args.out, backend, batch_size=args.batch_size,
                              concurrency=args.concurrency, limit=args.limit,
-                             max_turns=args.max_turns)
-    except (RegenerateError, GenerationError, DataError, AssetError) as exc:
-        print(f"dflash-trainer regenerate: {exc}", file=sys.stderr)
-        return 1
+                             max_turns=args.max_turns, allow_empty=args.allow_empty)
+    except GenerationError as exc:
+        # Raised here only before any conversation started (the server or the target).
+        raise ServerError(f"{exc}; check --server-url and that the server is up") from exc
     finally:
         if isinstance(backend, OpenAIBackend):
             backend.close()

@@ -11,7 +11,8 @@ The spans come from the template itself:
 
 - templates with ``{% generation %}`` markers: the marked blocks;
 - otherwise prefix renders: for assistant turn ``k``,
-  ``render(messages[:k], add_generation_prompt)`` is the text up to the end of the header and ``render(messages[:k+1])`` the text up to the end
+  ``render(messages[:k], add_generation_prompt)`` is the text up to the end of the header and
+  ``render(messages[:k+1])`` the text up to the end
   of the turn. Every such prefix must be a prefix of the full rendering (so the pieces
   concatenate to it); when a template renders history differently from the generation prompt
   (Qwen3 drops earlier ``<think>`` blocks), this fails and the conversation is refused with a
@@ -32,7 +33,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-from dflash_trainer.data.formats import Conversation, DataError, Location, Tokenized
+from dflash_trainer.data.formats import (
+    Conversation,
+    DataError,
+    Location,
+    Tokenized,
+    drop_leading_assistant,
+)
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _CHARS_PER_TOKEN = 6
@@ -51,18 +58,15 @@ class TokenizeOptions:
 
     max_length: int = 3072
     on_too_long: Literal["truncate", "drop"] = "truncate"
-    min_supervised_tokens: int = 32
+    min_supervised_tokens: int = 2
     thinking: bool = False
     last_turn_only: bool = False
 
     @classmethod
     def from_config(cls, cfg: Any) -> TokenizeOptions:
         """Options of a :class:`dflash_trainer.config.Config`."""
-        min_supervised = cfg.data.min_supervised_tokens
-        if min_supervised is None:
-            min_supervised = 2 * cfg.model.block_size
         return cls(max_length=cfg.data.max_length, on_too_long=cfg.data.on_too_long,
-                   min_supervised_tokens=min_supervised, thinking=cfg.data.thinking,
+                   min_supervised_tokens=cfg.data.min_supervised_tokens, thinking=cfg.data.thinking,
                    last_turn_only=cfg.data.last_turn_only)
 
 
@@ -122,7 +126,7 @@ class ChatTokenizer:
     @property
     def supports_thinking(self) -> bool:
         """Whether the template reads ``enable_thinking`` (so ``data.thinking`` has an effect)."""
-        return self.template is not None and "enable_thinking" in self.template
+        return reads_enable_thinking(self.template)
 
     def _render(self, messages: list[dict[str, str]], *, generation_prompt: bool,
                 with_spans: bool = False) -> tuple[str, list[tuple[int, int]]]:
@@ -154,7 +158,8 @@ class ChatTokenizer:
         if self.template is None:
             name = getattr(self.tokenizer, "name_or_path", "?")
             raise TemplateError(
-                f"{where}the tokenizer ({name}) has no chat template, so conversations cannot be rendered; use a model folder whose tokenizer "
+                f"{where}the tokenizer ({name}) has no chat template, so conversations cannot be rendered; "
+                f"use a model folder whose tokenizer "
                 "has one (chat_template.jinja or tokenizer_config.json), or pre-tokenized data")
         assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
         last = assistant[-1]
@@ -221,7 +226,7 @@ class ChatTokenizer:
                 again.append((i, messages, trimmed))
                 continue
             results[i] = self._finish(ids, mask, trimmed, records[i].location, was_cut)
-        for (i, messages, trimmed), (ids, mask, _) in zip(
+        for (i, _messages, trimmed), (ids, mask, _) in zip(
                 again, self._tokenize([(m, records[i].location) for i, m, _ in again], None)):
             results[i] = self._finish(ids, mask, trimmed, records[i].location, False)
         assert all(r is not None for r in results)
@@ -279,19 +284,18 @@ class ChatTokenizer:
         return Encoded(np.ascontiguousarray(ids), np.ascontiguousarray(mask), truncated, trimmed)
 
 
+def reads_enable_thinking(template: str | dict[str, str] | None) -> bool:
+    """Whether a chat template (or a dict of named templates) reads the ``enable_thinking``
+    switch, so that ``data.thinking`` changes what it renders."""
+    if isinstance(template, dict):
+        template = " ".join(template.values())
+    return bool(template) and "enable_thinking" in template
+
+
 def trim_conversation(messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], int]:
     """Remove assistant messages before the first user message and every message after the
     last assistant one; returns the messages and how many leading assistant ones were removed."""
-    kept: list[dict[str, str]] = []
-    trimmed = 0
-    seen_user = False
-    for message in messages:
-        if message["role"] == "user":
-            seen_user = True
-        elif message["role"] == "assistant" and not seen_user:
-            trimmed += 1
-            continue
-        kept.append(message)
+    kept, trimmed = drop_leading_assistant(messages)
     while kept and kept[-1]["role"] != "assistant":
         kept.pop()
     return kept, trimmed

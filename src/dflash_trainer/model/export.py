@@ -5,6 +5,10 @@ level and in ``dflash_config`` so z-lab, SGLang, vLLM and MLX loaders all find t
 ``model.safetensors`` (draft-only weights, no embedding, LM head or rotary buffers) and the
 standalone ``dflash.py`` modeling file that ``trust_remote_code`` loads. The folder is written
 to a temporary sibling and renamed into place, so a reader never sees a half-written export.
+
+``export`` reads a training checkpoint only after checking every file against its manifest's
+sha256, and loading checks ``config.json`` against the weights' shapes first: a corrupted or
+edited folder is refused with one line naming it (:class:`~dflash_trainer.errors.CheckpointError`).
 """
 
 from __future__ import annotations
@@ -12,16 +16,19 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
-from transformers import PretrainedConfig, Qwen3Config
+from transformers import PretrainedConfig
 
+from dflash_trainer.checkpoint import MANIFEST, validate_checkpoint
 from dflash_trainer.config import Config
+from dflash_trainer.errors import CheckpointError
+from dflash_trainer.fsutil import write_dir_atomically
 from dflash_trainer.model import modeling
 from dflash_trainer.model.drafter import check_compatible, text_config
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
@@ -107,26 +114,17 @@ def export_drafter(model: DFlashDraftModel, out_dir: str | Path, *, target_confi
         num_target_layers = text_config(target_config).num_hidden_layers
     if num_target_layers is None:
         raise ValueError("export needs target_config or a drafter config with num_target_layers")
-    if out.exists() and any(out.iterdir()) and not _is_export(out):
+    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not _is_export(out))):
         raise FileExistsError(f"{out} exists and is not a drafter export; choose an empty or new folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        config = export_config(model, num_target_layers=int(num_target_layers), dtype=dtype)
+    config = export_config(model, num_target_layers=int(num_target_layers), dtype=dtype)
+    weights = _draft_weights(model, dtype)
+
+    def write(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(_draft_weights(model, dtype), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         shutil.copyfile(MODELING_FILE, tmp / "dflash.py")
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            out.rename(old)
-        tmp.rename(out)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_dir_atomically(out, write, replace=True)
     return out
 
 
@@ -137,36 +135,73 @@ def _is_export(path: Path) -> bool:
         return False
 
 
+def _weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    try:
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            names = f.keys()  # a safetensors handle, not a dict: it has no __iter__
+            return {k: tuple(f.get_slice(k).get_shape()) for k in names}
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path / 'model.safetensors'} is not a readable safetensors file "
+                              f"({exc}); export the drafter again") from exc
+
+
+def check_drafter_folder(path: str | Path) -> None:
+    """Refuse (CheckpointError, one line) an exported drafter folder whose ``config.json`` is
+    unreadable or does not describe the tensors of its ``model.safetensors``."""
+    path = Path(path)
+    missing = [n for n in ("config.json", "model.safetensors") if not (path / n).is_file()]
+    if missing:
+        raise CheckpointError(f"{path}: not an exported drafter (no {' or '.join(missing)}); "
+                              "give the folder written by `dflash-trainer export` or train")
+    try:
+        config = DFlashDraftModel.config_class.from_pretrained(str(path))
+        config._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in DFlashDraftModel(config).state_dict().items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise CheckpointError(f"{path / 'config.json'} is not a valid drafter config ({exc}); "
+                              "restore the config.json written by export") from exc
+    found = _weight_shapes(path)
+    problems = [f"{k}: file {list(found[k])} vs config {list(expected[k])}"
+                for k in sorted(expected.keys() & found.keys()) if found[k] != expected[k]]
+    problems += [f"{k} missing from the file" for k in sorted(expected.keys() - found.keys())]
+    problems += [f"{k} not in the config" for k in sorted(found.keys() - expected.keys())]
+    if problems:
+        more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+        raise CheckpointError(f"{path}: config.json does not match model.safetensors: "
+                              f"{'; '.join(problems[:2])}{more}; restore the config.json written "
+                              "by export, or export the checkpoint again")
+
+
 def load_drafter(path: str | Path, *, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
-    """Load an exported drafter folder with the in-project class; every weight must be present."""
+    """Load an exported drafter folder with the in-project class; every weight must be present
+    and match ``config.json`` (checked first: :func:`check_drafter_folder`)."""
+    check_drafter_folder(path)
     model, info = DFlashDraftModel.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa",
                                                    output_loading_info=True)
     problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if problems:
-        raise ValueError(f"{path}: drafter weights do not match its config.json: {problems}")
+        raise CheckpointError(f"{path}: drafter weights do not match its config.json: {problems}")
     return model
 
 
 def load_checkpoint_drafter(path: str | Path, *, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
-    """A drafter from an exported folder, a training checkpoint ``step-N/`` (its ``drafter/``
-    export), or ``drafter.pt`` (state_dict) + ``drafter_config.json``."""
+    """A drafter from a training checkpoint ``step-N/`` or its ``drafter/`` folder (every file
+    of the checkpoint checked against its manifest first) or from an exported drafter folder."""
     path = Path(path)
-    if (path / "manifest.json").is_file() and (path / "drafter" / "config.json").is_file():
-        path = path / "drafter"
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such folder; give a checkpoint (RUN_DIR/checkpoints/"
+                              "step-N) or an exported drafter folder")
+    if (path / MANIFEST).is_file():
+        validate_checkpoint(path)
+        return load_drafter(path / "drafter", dtype=dtype)
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        if (path.parent / MANIFEST).is_file():  # step-N/drafter: its checkpoint's manifest covers it
+            validate_checkpoint(path.parent)
         return load_drafter(path, dtype=dtype)
-    if (path / "drafter.pt").is_file() and (path / "drafter_config.json").is_file():
-        config = Qwen3Config.from_dict(json.loads((path / "drafter_config.json").read_text()))
-        config._attn_implementation = "sdpa"
-        model = DFlashDraftModel(config)
-        state = torch.load(path / "drafter.pt", map_location="cpu", weights_only=True)
-        try:
-            model.load_state_dict(state, strict=True)
-        except RuntimeError as exc:
-            raise ValueError(f"{path / 'drafter.pt'} does not match {path / 'drafter_config.json'}: {exc}") from exc
-        return model.to(dtype)
-    raise FileNotFoundError(f"{path}: expected an exported drafter (config.json + model.safetensors) or a "
-                            f"checkpoint folder with drafter.pt + drafter_config.json")
+    raise CheckpointError(f"{path}: neither a training checkpoint (no {MANIFEST}) nor an exported "
+                          "drafter (no config.json + model.safetensors); give a step-N folder of "
+                          "RUN_DIR/checkpoints")
 
 
 def main(cfg: Config, args: argparse.Namespace) -> int:

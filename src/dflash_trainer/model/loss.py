@@ -9,10 +9,12 @@ more than one chunk of ``[slots, vocab]`` logits, and the head matmul runs twice
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.nn import functional as F
 
-__all__ = ["chunked_head_loss", "dflash_loss", "reference_head_loss"]
+__all__ = ["LossSums", "chunked_head_loss", "dflash_loss", "reference_head_loss"]
 
 
 def _chunk_terms(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
@@ -108,10 +110,43 @@ def reference_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels:
     return (weights.float() * loss).sum(), correct
 
 
+@dataclass(frozen=True, kw_only=True)
+class LossSums:
+    """One micro-batch's loss and metric sums, on the device (no host sync).
+
+    Sums, not means, so that micro-batches and ranks add up: the train loop divides
+    :attr:`loss` by the weight summed over every rank, once. The logged metrics are ratios of
+    these sums under the same names: ``train/loss`` = loss / weight, ``train/acc`` = correct /
+    count, ``train/acc_pos/{k}`` = correct_per_slot / count_per_slot, ``train/tau_sim`` =
+    accepted / blocks.
+    """
+
+    loss: torch.Tensor
+    """``sum_i w_i * loss_i`` over the supervised slots (differentiable)."""
+    weight: torch.Tensor
+    """``sum_i w_i``."""
+    correct: torch.Tensor
+    """Supervised slots whose top-1 prediction is the label."""
+    count: torch.Tensor
+    """Supervised slots (weight > 0)."""
+    correct_per_slot: torch.Tensor
+    """``[K]`` correct per block slot 1..K."""
+    count_per_slot: torch.Tensor
+    """``[K]`` supervised per block slot 1..K."""
+    accepted: torch.Tensor
+    """Sum over kept blocks of 1 + the number of leading correct supervised slots."""
+    blocks: torch.Tensor
+    """Kept (real) blocks."""
+
+    def mean_loss(self) -> torch.Tensor:
+        """``loss / weight``: the micro-batch's own weighted mean (0 when nothing is supervised)."""
+        return self.loss / self.weight.clamp_min(1e-6)
+
+
 def dflash_loss(block_hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
                 weights: torch.Tensor, keep: torch.Tensor, *, chunk_size: int,
-                soft_hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Decay-weighted loss over block slots 1..K (K <= B-1) and the metrics of the same pass.
+                soft_hidden: torch.Tensor | None = None) -> LossSums:
+    """Decay-weighted loss over block slots 1..K (K <= B-1) and the metric sums of the same pass.
 
     Args:
         block_hidden: ``[B, N*Bk, H]`` drafter output for N blocks of Bk slots.
@@ -125,10 +160,7 @@ def dflash_loss(block_hidden: torch.Tensor, head_weight: torch.Tensor, labels: t
             for KL distillation; None for hard labels.
 
     Returns:
-        ``loss = sum(w * loss) / sum(w)`` and on-device metrics (no host sync): ``weight_sum``,
-        ``weighted_loss_sum``, ``correct``, ``counted`` (supervised slots), ``correct_per_slot``
-        and ``count_per_slot`` ``[K]``, ``accept_sum`` (sum over kept blocks of 1 + number of
-        leading correct supervised slots) and ``blocks`` (kept blocks).
+        :class:`LossSums`; the top-1 predictions come from the loss chunks already in memory.
     """
     batch, num, slots = labels.shape
     block = block_hidden.shape[1] // num
@@ -136,19 +168,10 @@ def dflash_loss(block_hidden: torch.Tensor, head_weight: torch.Tensor, labels: t
     soft = None if soft_hidden is None else soft_hidden.reshape(batch * num * slots, -1)
     total, correct = chunked_head_loss(hidden, head_weight, labels.reshape(-1), weights.reshape(-1),
                                        chunk_size, soft)
-    weight_sum = weights.float().sum()
-    loss = total / weight_sum.clamp_min(1e-6)
     supervised = weights > 0
     hits = correct.view(batch, num, slots) & supervised
     leading = hits.long().cumprod(dim=-1).sum(dim=-1)
-    metrics = {
-        "weight_sum": weight_sum,
-        "weighted_loss_sum": total.detach(),
-        "correct": hits.sum(),
-        "counted": supervised.sum(),
-        "correct_per_slot": hits.sum(dim=(0, 1)),
-        "count_per_slot": supervised.sum(dim=(0, 1)),
-        "accept_sum": ((leading + 1) * keep).sum(),
-        "blocks": keep.sum(),
-    }
-    return loss, metrics
+    return LossSums(loss=total, weight=weights.float().sum(), correct=hits.sum(),
+                    count=supervised.sum(), correct_per_slot=hits.sum(dim=(0, 1)),
+                    count_per_slot=supervised.sum(dim=(0, 1)),
+                    accepted=((leading + 1) * keep).sum(), blocks=keep.sum())

@@ -1,12 +1,12 @@
 """The DFlash training objective: one micro-batch -> loss and metrics.
 
 :class:`DFlashObjective` owns the drafter and borrows the target's frozen embedding and LM
-head. The trainer calls ``objective(batch, features, step)`` and backpropagates the loss.
+head. The train loop calls ``objective(batch, target, step)`` and backpropagates the loss sum
+divided by the weight summed over every rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
@@ -15,9 +15,11 @@ from torch.nn import functional as F
 
 from dflash_trainer.config import Config, default_gamma
 from dflash_trainer.model.blocks import (build_block_inputs, dense_block_mask, flex_block_mask,
-                                         labels_and_weights, position_ids)
-from dflash_trainer.model.loss import dflash_loss
+                                         label_positions, labels_and_weights, position_ids)
+from dflash_trainer.model.loss import LossSums, dflash_loss
 from dflash_trainer.model.modeling.dflash import BlockLayout, DFlashDraftModel
+from dflash_trainer.model.target import TargetOutputs
+from dflash_trainer.pipeline.batch import Batch
 
 __all__ = ["DFlashObjective", "noise_scale"]
 
@@ -86,33 +88,28 @@ class DFlashObjective(nn.Module):
                              "backward); use model.attention=sdpa or auto")
         return self.attention == "flex"
 
-    def forward(self, batch: Mapping[str, torch.Tensor], features: torch.Tensor,
-                step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Loss and metrics for one micro-batch.
+    def forward(self, batch: Batch, target: TargetOutputs, step: int) -> LossSums:
+        """Loss and metric sums for one micro-batch.
 
         Args:
-            batch: ``input_ids`` [B, S] (right-padded), ``loss_mask`` [B, S], ``seq_lens`` [B],
-                ``anchors`` [B, N], ``keep`` [B, N]; with ``labels="target_greedy"`` also
-                ``target_labels`` [B, S]; with ``labels="kl"`` also ``final_hidden`` [B, S, H]
-                (see :class:`~dflash_trainer.model.target.TargetOutputs`).
-            features: ``[B, S, K*H]`` target layer outputs for the same tokens.
+            batch: the micro-batch on the device (right-padded ``input_ids``, ``loss_mask``,
+                ``seq_lens``, ``anchors``, ``keep``).
+            target: the target's outputs for it: ``features`` ``[B, S, K*H]``; with
+                ``labels="target_greedy"`` also ``target_labels``, with ``labels="kl"`` also
+                ``final_hidden`` (see :class:`~dflash_trainer.model.target.TargetOutputs`).
             step: optimizer step, for the noise ramp.
-
-        Returns:
-            ``(loss, metrics)``; metrics are on-device tensors (see
-            :func:`~dflash_trainer.model.loss.dflash_loss`) plus ``noise_std``.
         """
-        input_ids, loss_mask, seq_lens = batch["input_ids"], batch["loss_mask"], batch["seq_lens"]
-        anchors, keep = batch["anchors"], batch["keep"]
+        input_ids, anchors, keep = batch.input_ids, batch.anchors, batch.keep
+        features = target.features
         context_len = input_ids.shape[1]
         block = self.block_size
         label_ids = input_ids
         if self.labels == "target_greedy":
-            label_ids = _required(batch, "target_labels")
+            label_ids = _required(target.target_labels, "target_labels")
         noise_ids, block_positions = build_block_inputs(input_ids, anchors, keep, self.mask_token_id, block)
         slots = self.loss_slots
-        labels, weights = labels_and_weights(label_ids, loss_mask, anchors, keep, block, self.gamma, seq_lens,
-                                             num_slots=slots)
+        labels, weights = labels_and_weights(label_ids, batch.loss_mask, anchors, keep, block, self.gamma,
+                                             batch.seq_lens, num_slots=slots)
         mask: Any
         if self._use_flex(features.device):
             mask = flex_block_mask(anchors, keep, context_len, block)
@@ -130,19 +127,17 @@ class DFlashObjective(nn.Module):
                               attention_mask=mask)
         soft_hidden = None
         if self.labels == "kl":
-            final_hidden = _required(batch, "final_hidden")
+            final_hidden = _required(target.final_hidden, "final_hidden")
             # The target's distribution for slot k (position a + k) comes from position a + k - 1.
-            prev = (anchors[:, :, None] + torch.arange(slots, device=anchors.device)).flatten(1)
+            prev = label_positions(anchors, slots, final_hidden.shape[1], shift=-1).flatten(1)
             soft_hidden = final_hidden.gather(1, prev[..., None].expand(-1, -1, final_hidden.shape[-1]))
             soft_hidden = soft_hidden.view(*labels.shape, -1)
-        loss, metrics = dflash_loss(hidden, self.head_weight, labels, weights, keep,
-                                    chunk_size=self.loss_chunk_size, soft_hidden=soft_hidden)
-        metrics["noise_std"] = torch.tensor(scale)
-        return loss, metrics
+        return dflash_loss(hidden, self.head_weight, labels, weights, keep,
+                           chunk_size=self.loss_chunk_size, soft_hidden=soft_hidden)
 
 
-def _required(batch: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
-    if key not in batch:
-        raise KeyError(f"batch has no {key!r}; it is needed for training.labels and comes from "
-                       f"FeatureExtractor(labels=...) (TargetOutputs)")
-    return batch[key]
+def _required(value: torch.Tensor | None, name: str) -> torch.Tensor:
+    if value is None:
+        raise ValueError(f"the target outputs have no {name}; it is needed for training.labels and "
+                         f"comes from FeatureExtractor(labels=...) (TargetOutputs)")
+    return value

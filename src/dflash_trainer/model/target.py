@@ -3,8 +3,9 @@
 Features are captured with forward hooks on ``model.model.layers[L]`` (the output of decoder
 layer L, i.e. HF ``hidden_states[L + 1]``), never with ``output_hidden_states``, so only the
 requested layers are kept; when no final hidden state is needed the forward stops right after
-the deepest requested layer. (For the last layer HF's ``hidden_states[-1]`` is taken after the
-final norm; a layer id here always means the raw layer output, as in the reference.)
+the deepest requested layer. A layer id always means the raw layer output, as in the
+reference; the last layer is refused (:func:`check_target_layer_ids`), because HF's
+``hidden_states[-1]``, which inference reads for it, is taken after the final norm.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-__all__ = ["FeatureExtractor", "TargetOutputs", "decoder_layers", "greedy_next_tokens",
+from dflash_trainer.errors import ConfigError
+
+__all__ = ["FeatureExtractor", "TargetOutputs", "check_target_layer_ids", "decoder_layers", "greedy_next_tokens",
            "lm_head_weight", "input_embedding_weight", "load_target", "resolve_mask_token_id"]
 
 LabelMode = Literal["data", "target_greedy", "kl"]
@@ -70,6 +73,26 @@ class TargetOutputs:
     """``[B, S, H]`` target final (post-norm) hidden states, for ``labels="kl"``."""
 
 
+def check_target_layer_ids(layer_ids: Collection[int], num_layers: int) -> None:
+    """Refuse (ConfigError) layer ids outside ``0..num_layers - 2``. The last layer is refused
+    too: its hook sees the raw layer output, but inference servers take ``hidden_states[-1]``,
+    which is after the final norm (a different scale), so training and serving would disagree."""
+    if not layer_ids:
+        raise ConfigError("model.target_layer_ids is empty: name at least one target layer, "
+                          f"0..{num_layers - 2}")
+    bad = [i for i in layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise ConfigError(f"model.target_layer_ids {bad} out of range for a target with "
+                          f"{num_layers} layers: use ids 0..{num_layers - 2}")
+    if num_layers - 1 in layer_ids:
+        raise ConfigError(
+            f"model.target_layer_ids [{num_layers - 1}] out of range: {num_layers - 1} is the target's "
+            f"last layer; training hooks the raw output of layer L, while inference reads "
+            f"hidden_states[L + 1], which for the last layer is taken after the final norm, so the "
+            f"drafter would be served other features than it was trained on; pick layers below "
+            f"{num_layers - 1} (0..{num_layers - 2})")
+
+
 class _StopForward(Exception):
     """Raised by the deepest feature hook to skip the target layers nobody needs."""
 
@@ -81,22 +104,16 @@ class FeatureExtractor:
     :meth:`__call__`, so other users of the same target (evaluation, another thread) are not
     affected. Call :meth:`close` to remove them. One thread at a time per extractor.
     Inputs must be right-padded: with causal attention real positions never see the padding.
-    ``stop_early=False`` runs every layer (for wrappers such as FSDP that expect the whole
-    forward to complete).
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int], *, labels: LabelMode = "data",
-                 label_chunk_size: int = 1024, stop_early: bool = True) -> None:
+                 label_chunk_size: int = 1024) -> None:
         layers = decoder_layers(model)
-        bad = [i for i in layer_ids if not 0 <= i < len(layers)]
-        if not layer_ids or bad:
-            raise ValueError(f"target layer ids {list(layer_ids)} invalid for a target with {len(layers)} "
-                             f"layers (valid: 0..{len(layers) - 1})")
+        check_target_layer_ids(layer_ids, len(layers))
         self.model = model
         self.layer_ids = list(layer_ids)
         self.labels = labels
         self.label_chunk_size = label_chunk_size
-        self.stop_early = stop_early
         self._local = threading.local()
         self._stop_after = max(self.layer_ids)
         self._handles = [layers[i].register_forward_hook(self._make_hook(i)) for i in sorted(set(layer_ids))]
@@ -127,7 +144,7 @@ class FeatureExtractor:
         # no_grad, not inference_mode: the features are saved for the drafter's backward.
         need_final = self.labels in ("target_greedy", "kl")
         self._local.captured = {}
-        self._local.stop_early = self.stop_early and not need_final
+        self._local.stop_early = not need_final
         final_hidden = None
         try:
             out = self.model.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -197,7 +214,7 @@ def resolve_mask_token_id(tokenizer: Any, num_embeddings: int, explicit: int | N
     if explicit is not None:
         reason = problem(explicit)
         if reason:
-            raise ValueError(f"model.mask_token_id={explicit} cannot be used: {reason}; choose an unused "
+            raise ConfigError(f"model.mask_token_id={explicit} cannot be used: {reason}; choose an unused "
                              f"token id below {num_embeddings} or leave model.mask_token_id unset")
         return explicit
     candidates = []
@@ -210,7 +227,7 @@ def resolve_mask_token_id(tokenizer: Any, num_embeddings: int, explicit: int | N
     for token_id in candidates:
         if problem(token_id) is None:
             return token_id
-    raise ValueError(f"no usable mask token: the tokenizer has no mask token, no free embedding row "
+    raise ConfigError(f"no usable mask token: the tokenizer has no mask token, no free embedding row "
                      f"(len(tokenizer)={len(tokenizer)}, {num_embeddings} rows) and no unused added token; "
                      f"set model.mask_token_id to a token id below {num_embeddings} that is not "
                      f"eos/pad/bos and does not occur in the data")

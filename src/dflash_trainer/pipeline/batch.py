@@ -1,12 +1,17 @@
-"""The padded training batch that travels from the prefetcher to the target stage."""
+"""What travels through the pipeline: the padded :class:`Batch` (prefetcher -> target stage)
+and the :class:`StepInput` (target stage -> drafter loop)."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
+from typing import Any
+
 import numpy as np
 import torch
+
+from dflash_trainer.model.target import TargetOutputs
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,8 +45,6 @@ class Batch:
     """Position in the prefetcher's output stream across epochs (round-robin dispatch key)."""
     num_tokens: int
     """Real tokens in the batch."""
-    num_loss_tokens: int
-    """Supervised positions in the batch (``loss_mask`` count)."""
 
     _TENSORS = ("input_ids", "loss_mask", "attention_mask", "seq_lens", "anchors", "keep")
 
@@ -60,3 +63,33 @@ class Batch:
     def shape(self) -> tuple[int, int]:
         """(rows, padded length)."""
         return tuple(self.input_ids.shape)  # type: ignore[return-value]
+
+    @classmethod
+    def of_rows(cls, input_ids: torch.Tensor, loss_mask: torch.Tensor, *, anchors: torch.Tensor,
+                keep: torch.Tensor, seq_lens: torch.Tensor | None = None) -> Batch:
+        """A batch outside any plan (benchmarks, tests): rows of ``seq_lens`` (default: full
+        width) real tokens, bucket/epoch/step 0."""
+        rows, width = input_ids.shape
+        if seq_lens is None:
+            seq_lens = torch.full((rows,), width, dtype=torch.long, device=input_ids.device)
+        attention = torch.arange(width, device=input_ids.device)[None, :] < seq_lens[:, None]
+        return cls(input_ids=input_ids, loss_mask=loss_mask, attention_mask=attention,
+                   seq_lens=seq_lens, anchors=anchors, keep=keep, sample_ids=np.arange(rows),
+                   bucket=0, epoch=0, step=0, stream_index=0,
+                   num_tokens=int(seq_lens.sum()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepInput:
+    """What the target stage hands the drafter loop: the batch (on the device) and the
+    target's outputs for it."""
+
+    batch: Batch
+    target: TargetOutputs
+    ready: Any = None
+    """A CUDA event recorded on the target stream after ``target`` was written (None on CPU)."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The target's tensors, for ``record_stream`` on the consuming stream."""
+        t = self.target
+        return [x for x in (t.features, t.target_labels, t.final_hidden) if x is not None]

@@ -1,8 +1,10 @@
 """The monitor: on the main thread, between steps, turns stage counters into logged metrics.
 
 Every log interval it calls ``get_metrics()`` on each stage (which returns, and resets, what
-the stage counted since its previous call), samples channel depths, applies the cross-rank
-reduce, derives rates and run totals, and writes one dict to the trackers.
+the stage counted since its previous call), samples channel depths, gathers every rank's
+window and combines each metric by the rule its stage declared
+(:mod:`dflash_trainer.pipeline.metrics`; the one cross-rank reduction), derives rates and run
+totals, and writes one dict to the trackers.
 
 Kinds of values (names from DESIGN.md):
 
@@ -14,9 +16,12 @@ Kinds of values (names from DESIGN.md):
   loop trained on in the window) and ``train/samples`` (sequences). They become
   ``perf/tokens_per_s`` and ``perf/samples_per_s`` (divided by the window's wall time) and the
   run totals ``train/tokens_total`` and ``train/samples_total``; they are not logged as such.
-- accumulated: stages report ``data/bucket/{i}/dispatched`` per window; the monitor logs the
-  run total per bucket, every log, also for buckets idle in the window.
+- accumulated: stages report ``data/bucket/{i}/dispatched`` (batches the prefetcher sent
+  on) and ``data/bucket/{i}/trained`` (batches the drafter trained on) per window; the
+  monitor logs the run total per bucket, every log, also for buckets idle in the window.
 - sampled: ``pipe/queue/{channel}``, the items in each channel at log time.
+- once: values handed to :meth:`Monitor.add_once` (the epoch's plan statistics) go into the
+  next log only; they are the same on every rank and are not combined.
 
 Run totals are part of ``state_dict()`` so they continue across a resume.
 """
@@ -29,17 +34,18 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
+from dflash_trainer.pipeline.metrics import Metric, combine
 from dflash_trainer.trackers import Tracker
 
 TOKENS = "train/tokens"
 SAMPLES = "train/samples"
-_ACCUMULATED = re.compile(r"data/bucket/\d+/dispatched")
+_ACCUMULATED = re.compile(r"data/bucket/\d+/(dispatched|trained)")
 
 
 class HasMetrics(Protocol):
     """A pipeline stage as the monitor sees it."""
 
-    def get_metrics(self) -> dict[str, float]:
+    def get_metrics(self) -> Mapping[str, Metric]:
         """Metrics since the previous call, under their DESIGN.md names; resets the window."""
         ...
 
@@ -58,21 +64,20 @@ class HasDepth(Protocol):
 class Monitor:
     """Polls stages and channels every ``every_steps`` steps (or ``every_s`` seconds).
 
-    ``reduce`` combines the window's raw dict across ranks (sum the counters, average or max
-    the rest, as it sees fit) and must be called at the same steps on every rank; so with a
-    ``reduce`` the time trigger, which ranks cannot agree on without a per-step collective,
-    is ignored with a warning. ``clock`` is for tests.
+    ``gather`` returns every rank's raw window (a collective, so it must be called at the same
+    steps on every rank); so with a ``gather`` the time trigger, which ranks cannot agree on
+    without a per-step collective, is ignored with a warning. ``clock`` is for tests.
     """
 
     def __init__(self, stages: Mapping[str, HasMetrics], channels: Mapping[str, HasDepth],
                  trackers: Tracker, *, every_steps: int, every_s: float | None = None,
-                 reduce: Callable[[dict[str, float]], dict[str, float]] | None = None,
+                 gather: Callable[[dict[str, Metric]], list[dict[str, Metric]]] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if every_steps < 1:
             raise ValueError(f"every_steps must be >= 1 (logging.every_steps), got {every_steps}")
         if every_s is not None and every_s <= 0:
             raise ValueError(f"every_s must be > 0 (logging.every_s), got {every_s}")
-        if every_s is not None and reduce is not None:
+        if every_s is not None and gather is not None:
             warnings.warn("logging.every_s has no effect in a multi-rank run: every rank must "
                           "log at the same steps; logging every logging.every_steps steps",
                           stacklevel=2)
@@ -82,11 +87,12 @@ class Monitor:
         self.trackers = trackers
         self.every_steps = every_steps
         self.every_s = every_s
-        self.reduce = reduce
+        self.gather = gather
         self._clock = clock
         self._window_start = clock()
         self._last_step: int | None = None
         self._totals: dict[str, float] = {}
+        self._once: dict[str, float] = {}
 
     def should_log(self, step: int) -> bool:
         """Whether ``maybe_log(step)`` would log."""
@@ -111,8 +117,12 @@ class Monitor:
             return None
         return self._log(step)
 
-    def _poll(self) -> dict[str, float]:
-        raw: dict[str, float] = {}
+    def add_once(self, metrics: Mapping[str, float]) -> None:
+        """Log ``metrics`` with the next window, once (one record per logged step)."""
+        self._once.update(metrics)
+
+    def _poll(self) -> dict[str, Metric]:
+        raw: dict[str, Metric] = {}
         owner: dict[str, str] = {}
         for stage_name, stage in self.stages.items():
             for key, value in stage.get_metrics().items():
@@ -120,16 +130,14 @@ class Monitor:
                     raise ValueError(f"metric {key!r} is reported by both stage "
                                      f"{owner[key]!r} and stage {stage_name!r}")
                 owner[key] = stage_name
-                # float(): values may be 0-d tensors; this is the log-step host sync.
-                raw[key] = float(value)
+                raw[key] = value
         for channel_name, channel in self.channels.items():
             raw[f"pipe/queue/{channel_name}"] = float(channel.qsize())
         return raw
 
     def _log(self, step: int) -> dict[str, float]:
-        window = self._poll()
-        if self.reduce is not None:
-            window = dict(self.reduce(window))
+        raw = self._poll()
+        window = combine(self.gather(raw) if self.gather is not None else [raw])
         now = self._clock()
         elapsed = now - self._window_start
         self._window_start = now
@@ -150,6 +158,8 @@ class Monitor:
                 if elapsed > 0:
                     metrics[rate] = window[counter] / elapsed
         metrics.update(self._totals)
+        metrics.update(self._once)
+        self._once = {}
         self.trackers.log(metrics, step)
         return metrics
 

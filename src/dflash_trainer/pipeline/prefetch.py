@@ -10,6 +10,10 @@ Results do not depend on which worker built a batch: anchors come from a generat
 by (seed, epoch, step, rank). Resume: the consumer calls :meth:`BatchPrefetcher.acknowledge`
 for every batch it trained on; :meth:`state_dict` is the first position not acknowledged,
 so batches in flight (queued or being built) at checkpoint time are produced again.
+
+Metrics: ``data/bucket/{i}/dispatched`` counts batches the dispatcher sent on (a batch in
+flight at a checkpoint is dispatched again after resume); everything else (``trained`` per
+bucket, lengths, padding, same-bucket runs) describes the acknowledged batches.
 """
 
 from __future__ import annotations
@@ -25,10 +29,10 @@ import torch
 from dflash_trainer.data.buckets import Plan
 from dflash_trainer.pipeline.batch import Batch
 from dflash_trainer.pipeline.channel import POLL_S, Channel, StopRequested
+from dflash_trainer.pipeline.metrics import Max, Metric, Min, Ratio
 from dflash_trainer.pipeline.stage import Stage
 
 STATE_VERSION = 1
-
 
 
 class AnchorSampler(Protocol):
@@ -108,7 +112,7 @@ class BatchPrefetcher(Stage):
         self._cond = threading.Condition()
         self._plan: Plan | None = None
         self._set_position(start_epoch, start_step, start_index)
-        self._metrics = _DispatchMetrics()
+        self._metrics = _BatchMetrics()
 
     def _set_position(self, epoch: int, step: int, index: int | None) -> None:
         if index is None:
@@ -141,6 +145,7 @@ class BatchPrefetcher(Stage):
                     self._cond.wait(POLL_S)
                 batch = self._done.pop(self._emitted)
             self.outputs[batch.stream_index % len(self.outputs)].put(batch)
+            self._metrics.dispatched(batch.bucket)
             with self._cond:
                 self._emitted += 1
                 self._cond.notify_all()
@@ -214,7 +219,7 @@ class BatchPrefetcher(Stage):
         generator = torch.Generator().manual_seed(step_seed(self.seed, plan.epoch, step_index,
                                                             self.rank))
         seq_lens = torch.from_numpy(lens)
-        # seq_lens keeps every block inside its row's real tokens, not the padded width.
+        # seq_lens keeps every anchor (and its first label) inside its row's real tokens.
         anchors, keep = self.sample_anchors(loss_mask_t, self.num_anchors, self.block_size,
                                             generator, seq_lens=seq_lens)
         batch = Batch(input_ids=torch.from_numpy(input_ids), loss_mask=loss_mask_t,
@@ -222,7 +227,7 @@ class BatchPrefetcher(Stage):
                       seq_lens=seq_lens, anchors=anchors, keep=keep,
                       sample_ids=np.asarray(ids, dtype=np.int64), bucket=step.bucket,
                       epoch=plan.epoch, step=step_index, stream_index=index,
-                      num_tokens=int(lens.sum()), num_loss_tokens=int(loss_mask.sum()))
+                      num_tokens=int(lens.sum()))
         return batch.pin_memory() if self.pin_memory else batch
 
     # -- resume ------------------------------------------------------------------------
@@ -230,10 +235,10 @@ class BatchPrefetcher(Stage):
     def acknowledge(self, batch: Batch) -> None:
         """Record that the consumer trained on ``batch`` (call after its optimizer step).
 
-        The dispatch metrics count acknowledged batches, so a batch that was in flight at a
-        checkpoint and is produced again after resume is counted once.
+        The batch metrics other than ``dispatched`` count acknowledged batches, so a batch
+        that was in flight at a checkpoint and is produced again after resume counts once.
         """
-        self._metrics.record(batch)
+        self._metrics.trained(batch)
         with self._cond:
             epoch, step, index = self._ack_position
             if batch.stream_index < index or batch.stream_index in self._acked:
@@ -268,14 +273,15 @@ class BatchPrefetcher(Stage):
 
     # -- metrics ------------------------------------------------------------------------
 
-    def collect_metrics(self) -> dict[str, float]:
-        """Dispatch statistics since the previous call (see ``_DispatchMetrics``)."""
+    def collect_metrics(self) -> dict[str, Metric]:
+        """Batch statistics since the previous call (see ``_BatchMetrics``)."""
         num_buckets = self._plan.num_buckets if self._plan is not None else 0
         return self._metrics.collect(num_buckets)
 
 
-class _DispatchMetrics:
-    """Windowed counters of dispatched batches; thread-safe (dispatcher vs monitor)."""
+class _BatchMetrics:
+    """Windowed counters of dispatched and trained batches; thread-safe (dispatcher, consumer
+    and monitor threads)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -285,6 +291,7 @@ class _DispatchMetrics:
 
     def _reset(self) -> None:
         self._dispatched: dict[int, int] = {}
+        self._trained: dict[int, int] = {}
         self._num_seqs = 0
         self._len_sum = 0
         self._len_max = 0
@@ -293,11 +300,15 @@ class _DispatchMetrics:
         self._padded = 0
         self._max_run = self._run
 
-    def record(self, batch: Batch) -> None:
+    def dispatched(self, bucket: int) -> None:
+        with self._lock:
+            self._dispatched[bucket] = self._dispatched.get(bucket, 0) + 1
+
+    def trained(self, batch: Batch) -> None:
         rows, width = batch.shape
         shortest = int(batch.seq_lens.min())
         with self._lock:
-            self._dispatched[batch.bucket] = self._dispatched.get(batch.bucket, 0) + 1
+            self._trained[batch.bucket] = self._trained.get(batch.bucket, 0) + 1
             self._run = self._run + 1 if batch.bucket == self._last_bucket else 1
             self._last_bucket = batch.bucket
             self._max_run = max(self._max_run, self._run)
@@ -308,16 +319,20 @@ class _DispatchMetrics:
             self._real += batch.num_tokens
             self._padded += rows * width
 
-    def collect(self, num_buckets: int) -> dict[str, float]:
+    def collect(self, num_buckets: int) -> dict[str, Metric]:
         with self._lock:
-            metrics = {f"data/bucket/{b}/dispatched": float(self._dispatched.get(b, 0))
-                       for b in range(max(num_buckets, max(self._dispatched, default=-1) + 1))}
+            buckets = range(max(num_buckets, max((*self._dispatched, *self._trained),
+                                                 default=-1) + 1))
+            # Per-rank counts, averaged over ranks: every rank takes one batch per step.
+            metrics: dict[str, Metric] = {
+                f"data/bucket/{b}/{kind}": float(counts.get(b, 0)) for b in buckets
+                for kind, counts in (("dispatched", self._dispatched), ("trained", self._trained))}
             if self._num_seqs:
                 metrics.update({
-                    "data/seq_len_mean": self._len_sum / self._num_seqs,
-                    "data/seq_len_max": float(self._len_max),
-                    "data/seq_len_min": float(self._len_min or 0),
-                    "data/padding_efficiency": self._real / self._padded,
+                    "data/seq_len_mean": Ratio(float(self._len_sum), float(self._num_seqs)),
+                    "data/seq_len_max": Max(float(self._len_max)),
+                    "data/seq_len_min": Min(float(self._len_min or 0)),
+                    "data/padding_efficiency": Ratio(float(self._real), float(self._padded)),
                 })
             metrics["data/same_bucket_run"] = float(self._run)
             metrics["data/max_same_bucket_run"] = float(self._max_run)

@@ -15,9 +15,10 @@ from collections.abc import Callable
 import torch
 
 from dflash_trainer.model.target import TargetOutputs
+from dflash_trainer.pipeline.batch import StepInput
 from dflash_trainer.pipeline.channel import Channel
+from dflash_trainer.pipeline.metrics import Metric, Sum
 from dflash_trainer.pipeline.stage import Stage
-from dflash_trainer.pipeline.train_loop import StepInput
 
 FeatureFn = Callable[[torch.Tensor, torch.Tensor], TargetOutputs]
 """(input_ids [B,S], attention_mask [B,S]) -> features [B,S,K*H] (+ label inputs)."""
@@ -56,15 +57,12 @@ class TargetStage(Stage):
                 with self._lock:
                     self._tokens += tokens
                     self._forward_s += time.perf_counter() - start
-            extras = {name: value for name in ("target_labels", "final_hidden")
-                      if (value := getattr(out, name)) is not None}
-            self.output.put(StepInput(batch=batch, features=out.features, extras=extras,
-                                      ready=ready))
+            self.output.put(StepInput(batch=batch, target=out, ready=ready))
 
-    def collect_metrics(self) -> dict[str, float]:
-        """Tokens through the target and its mean forward time in the window."""
+    def collect_metrics(self) -> dict[str, Metric]:
+        """Tokens through the target and its forward time in the window."""
         with self._lock:
-            metrics = {f"pipe/{self.name}/tokens": float(self._tokens),
+            metrics: dict[str, Metric] = {f"pipe/{self.name}/tokens": Sum(float(self._tokens)),
                        f"pipe/{self.name}/forward_s": self._forward_s}
             self._tokens = 0
             self._forward_s = 0.0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,43 +16,26 @@ import torch
 from dflash_trainer.config import TrainingConfig
 from dflash_trainer.distributed import (
     CollectiveTimer, DistInfo, all_reduce_sum, gradient_sync, replicated_value)
+from dflash_trainer.model.loss import LossSums
 from dflash_trainer.optim import LRSchedule
-from dflash_trainer.pipeline.batch import Batch
+from dflash_trainer.pipeline.batch import Batch, StepInput
+from dflash_trainer.pipeline.metrics import Max, MeanSpread, Metric, Ratio, Sum
 
-# Window sums whose ratios are logged; all-reduced at log time so the ratios cover every rank.
-GLOBAL_SUMS = ("wce", "weight", "correct", "count", "tau", "blocks")
+# Window sums on the device, named as the LossSums fields they add up.
+_LOSS_SUMS = ("loss", "weight", "correct", "count", "accepted", "blocks")
 
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient norm."""
 
 
-@dataclass(kw_only=True)
-class StepInput:
-    """What the target stage hands the loop: the batch (on the device) and its features."""
-
-    batch: Batch
-    features: torch.Tensor
-    extras: dict[str, torch.Tensor]
-    """Label inputs from the target (``target_labels`` or ``final_hidden``), if any."""
-    ready: Any = None
-    """A CUDA event recorded on the target stream after the features were written."""
-
-    @property
-    def inputs(self) -> dict[str, torch.Tensor]:
-        """The objective's batch mapping."""
-        b = self.batch
-        return {"input_ids": b.input_ids, "loss_mask": b.loss_mask, "seq_lens": b.seq_lens,
-                "anchors": b.anchors, "keep": b.keep, **self.extras}
-
-
 class DrafterTrainLoop:
     """Owns the optimizer step of the drafter and its windowed training metrics.
 
     One call of :meth:`train_micro_batch` per micro-batch; every ``grad_accum`` calls make
-    one optimizer step. The loss of a micro-batch is its weighted CE sum divided by the
-    weight sum of the micro-batch across all data-parallel ranks (all-reduced once), so the
-    gradient does not depend on how tokens fall across ranks.
+    one optimizer step. The objective returns sums; the loss backpropagated is the
+    micro-batch's weighted loss sum divided by its weight sum over all data-parallel ranks
+    (one all-reduce), so the gradient does not depend on how tokens fall across ranks.
     """
 
     def __init__(self, *, objective: torch.nn.Module, parameters: list[torch.nn.Parameter],
@@ -76,26 +58,24 @@ class DrafterTrainLoop:
         self.optimizer_step = 0
         """Optimizer steps taken (skipped non-finite steps included)."""
         self.micro_step = 0
-        self.last_plan_step = -1
-        """Plan index (within the epoch) of the last micro-batch trained."""
         self.last_epoch = 0
         self.total_skipped = 0
         slots = cfg.loss_slots or block_size - 1
-        zeros = lambda *shape: torch.zeros(*shape, device=self.device, dtype=torch.float64)  # noqa: E731
-        self._sums = {name: zeros(()) for name in (
-            "wce", "weight", "correct", "count", "tau", "blocks", "grad_norm", "skipped",
-            "tokens", "samples")}
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, device=self.device, dtype=torch.float64)
+        self._sums = {name: zeros() for name in (*_LOSS_SUMS, "grad_norm", "skipped")}
         self._slot_correct = zeros(slots)
         self._slot_count = zeros(slots)
-        # (weighted CE sum, weight sum) since the last checkpoint, for "best" checkpoints.
+        self._tokens = 0
+        self._samples = 0
+        # (weighted loss sum, weight sum) since the last checkpoint, for "best" checkpoints.
         self._since_checkpoint = zeros(2)
-        self._grad_norm_max = zeros(())
+        self._grad_norm_max = zeros()
         self._consecutive_bad = torch.zeros((), device=self.device, dtype=torch.int64)
         self._window_steps = 0
         self._window_start = time.perf_counter()
         self._step_time = 0.0
         self._wait_time = 0.0
-        self._last_step_end: float | None = None
         self._found_inf = torch.zeros((), device=self.device, dtype=torch.float32)
         self._weight_reduce = CollectiveTimer(self.device)
         self._check_every = max(1, min(cfg.max_nonfinite_steps, 10))
@@ -108,52 +88,48 @@ class DrafterTrainLoop:
         """Forward + backward of one micro-batch; steps the optimizer every grad_accum calls."""
         start = time.perf_counter()
         if item.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(item.ready)
-            for tensor in (item.features, *item.extras.values()):
-                tensor.record_stream(torch.cuda.current_stream(self.device))
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(item.ready)
+            for tensor in item.tensors():
+                tensor.record_stream(stream)
         batch = item.batch
         # Gradients are reduced across ranks only on the micro-batch that ends a step.
         last_micro = (self.micro_step + 1) % self.cfg.grad_accum == 0
         with gradient_sync(self.objective, last_micro):
             with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
                                 enabled=self.autocast_dtype is not None):
-                local_loss, m = self.objective(item.inputs, item.features, self.optimizer_step)
-            # Global normalisation: every rank rescales its mean to "local weighted sum /
-            # global weight sum" (one all-reduce, which is also where ranks wait for the
-            # slowest); DDP and FSDP average gradients, hence the world_size factor.
-            local_weight = m["weight_sum"].detach()
-            global_weight = self._weight_reduce.all_reduce_sum(local_weight.clone())
-            scale = (local_weight.clamp_min(1e-6) * self.dist.world_size
-                     / global_weight.clamp_min(1e-6))
-            (local_loss * scale / self.cfg.grad_accum).backward()
-        self._accumulate(m, batch)
+                sums: LossSums = self.objective(batch, item.target, self.optimizer_step)
+            # The one division: by the weight of this micro-batch over every rank (one
+            # all-reduce, which is also where ranks wait for the slowest). DDP and FSDP
+            # average gradients over ranks, hence the world_size factor.
+            global_weight = self._weight_reduce.all_reduce_sum(sums.weight.detach().clone())
+            scale = self.dist.world_size / (global_weight.clamp_min(1e-6) * self.cfg.grad_accum)
+            (sums.loss * scale).backward()
+        self._accumulate(sums, batch)
         if self.flops_fn is not None:
             self._flops += self.flops_fn(batch)
         self.micro_step += 1
-        self.last_plan_step = batch.step
         self.last_epoch = batch.epoch
         if self.micro_step % self.cfg.grad_accum == 0:
             self._optimizer_step()
         self._step_time += time.perf_counter() - start
 
-    def _accumulate(self, m: dict[str, torch.Tensor], batch: Batch) -> None:
+    def _accumulate(self, sums: LossSums, batch: Batch) -> None:
         with torch.no_grad():
             # A non-finite micro-batch is skipped by the optimizer; keep it out of the means.
-            wce = m["weighted_loss_sum"].detach().double()
-            finite = torch.isfinite(wce)
-            wce = torch.where(finite, wce, 0)
-            weight = torch.where(finite, m["weight_sum"].double(), 0)
-            self._sums["wce"] += wce
+            loss = sums.loss.detach().double()
+            finite = torch.isfinite(loss)
+            loss = torch.where(finite, loss, 0)
+            weight = torch.where(finite, sums.weight.double(), 0)
+            self._since_checkpoint += torch.stack((loss, weight))
+            self._sums["loss"] += loss
             self._sums["weight"] += weight
-            self._since_checkpoint += torch.stack((wce, weight))
-            self._sums["correct"] += m["correct"].double()
-            self._sums["count"] += m["counted"].double()
-            self._sums["tau"] += m["accept_sum"].double()
-            self._sums["blocks"] += m["blocks"].double()
-            self._sums["tokens"] += batch.num_tokens
-            self._sums["samples"] += batch.seq_lens.numel()
-            self._slot_correct += m["correct_per_slot"].double()
-            self._slot_count += m["count_per_slot"].double()
+            for name in _LOSS_SUMS[2:]:
+                self._sums[name] += getattr(sums, name).double()
+            self._slot_correct += sums.correct_per_slot.double()
+            self._slot_count += sums.count_per_slot.double()
+        self._tokens += batch.num_tokens
+        self._samples += batch.seq_lens.numel()
 
     def _optimizer_step(self) -> None:
         grad_norm = replicated_value(torch.nn.utils.clip_grad_norm_(
@@ -194,67 +170,73 @@ class DrafterTrainLoop:
         """
         sums = all_reduce_sum(self._since_checkpoint.clone())
         self._since_checkpoint.zero_()
-        wce, weight = sums.tolist()
-        return wce / weight if weight > 0 else None
+        loss, weight = sums.tolist()
+        return loss / weight if weight > 0 else None
 
-    def get_metrics(self) -> dict[str, float]:
-        """Window metrics since the last call (one host sync); resets the window."""
+    def get_metrics(self) -> dict[str, Metric]:
+        """Window metrics since the last call (one host sync); resets the window.
+
+        Loss and accuracies are :class:`Ratio` s of window sums, so the monitor's cross-rank
+        combine gives the ratio over every rank's tokens; grad norms, the LR and the skip
+        count are the same on every rank (gradients are reduced).
+        """
         now = time.perf_counter()
         window = max(now - self._window_start, 1e-9)
-        sums = {k: float(v) for k, v in self._sums.items()}
-        slot_correct = self._slot_correct.tolist()
-        slot_count = self._slot_count.tolist()
-        if self.dist.enabled:
-            # Log time only: loss and accuracies over every rank's tokens, not a mean of
-            # per-rank ratios (ranks hold different numbers of tokens).
-            packed = all_reduce_sum(torch.cat([torch.stack([self._sums[k] for k in GLOBAL_SUMS]),
-                                               self._slot_correct, self._slot_count])).tolist()
-            sums.update(zip(GLOBAL_SUMS, packed))
-            slot_correct = packed[len(GLOBAL_SUMS):len(GLOBAL_SUMS) + len(slot_correct)]
-            slot_count = packed[len(GLOBAL_SUMS) + len(slot_correct):]
+        packed = torch.cat([torch.stack([self._sums[k] for k in self._sums]),
+                            self._grad_norm_max[None], self._slot_correct,
+                            self._slot_count]).tolist()
+        sums = dict(zip(self._sums, packed))
+        grad_norm_max = packed[len(sums)]
+        slots = len(self._slot_correct)
+        slot_correct = packed[len(sums) + 1:len(sums) + 1 + slots]
+        slot_count = packed[len(sums) + 1 + slots:]
         steps = max(self._window_steps, 1)
         good_steps = max(self._window_steps - sums["skipped"], 1)
         self.total_skipped += int(sums["skipped"])
-        metrics = {
-            "train/loss": sums["wce"] / max(sums["weight"], 1e-9),
-            "train/acc": sums["correct"] / max(sums["count"], 1.0),
-            "train/tau_sim": sums["tau"] / max(sums["blocks"], 1.0),
+        metrics: dict[str, Metric] = {
+            "train/loss": Ratio(sums["loss"], sums["weight"]),
+            "train/acc": Ratio(sums["correct"], sums["count"]),
+            "train/tau_sim": Ratio(sums["accepted"], sums["blocks"]),
             "train/grad_norm": sums["grad_norm"] / good_steps,
-            "train/grad_norm_max": float(self._grad_norm_max),
+            "train/grad_norm_max": Max(grad_norm_max),
             "train/lr": self.schedule.lr,
             "train/skipped_nonfinite": float(self.total_skipped),
             "train/step": float(self.optimizer_step),
-            "train/tokens": sums["tokens"],
-            "train/samples": sums["samples"],
-            "perf/step_time_s": self._step_time / steps,
+            "train/tokens": Sum(float(self._tokens)),
+            "train/samples": Sum(float(self._samples)),
+            "perf/step_time_s": MeanSpread(self._step_time / steps, "perf/step_time_spread_s"),
             "perf/data_wait_frac": self._wait_time / window,
         }
         for k, (c, n) in enumerate(zip(slot_correct, slot_count), start=1):
-            metrics[f"train/acc_pos/{k}"] = c / n if n else 0.0
+            metrics[f"train/acc_pos/{k}"] = Ratio(c, n)
         if self.dist.enabled:
             metrics["perf/allreduce_wait_s"] = self._weight_reduce.collect() / steps
         if self.flops_fn is not None:
             metrics["perf/tflops"] = self._flops / window / 1e12
             if self.peak_flops:
                 metrics["perf/mfu"] = self._flops / window / self.peak_flops
-        self._flops = 0.0
+        self._reset_window(now)
+        return metrics
+
+    def _reset_window(self, now: float) -> None:
         for value in self._sums.values():
             value.zero_()
         self._slot_correct.zero_()
         self._slot_count.zero_()
         self._grad_norm_max.zero_()
+        self._tokens = 0
+        self._samples = 0
+        self._flops = 0.0
         self._window_steps = 0
         self._step_time = 0.0
         self._wait_time = 0.0
         self._window_start = now
-        return metrics
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, optimizer and schedule state (weights are saved by the trainer)."""
         return {
             "optimizer_step": self.optimizer_step,
             "micro_step": self.micro_step,
-            "last_plan_step": self.last_plan_step,
             "last_epoch": self.last_epoch,
             "total_skipped": self.total_skipped,
             "optimizer": self.optimizer.state_dict(),
@@ -265,7 +247,6 @@ class DrafterTrainLoop:
         """Restore :meth:`state_dict`."""
         self.optimizer_step = int(state["optimizer_step"])
         self.micro_step = int(state["micro_step"])
-        self.last_plan_step = int(state["last_plan_step"])
         self.last_epoch = int(state["last_epoch"])
         self.total_skipped = int(state["total_skipped"])
         self.optimizer.load_state_dict(state["optimizer"])

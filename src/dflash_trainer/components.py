@@ -1,0 +1,244 @@
+"""The one assembly of a training run: target -> data -> mask id -> drafter -> feature extractor
+-> objective -> optimizer and schedule -> train loop.
+
+:func:`build` is used by ``train``, ``demo`` and every benchmark, so what they run is what the
+trainer runs. Runtime objects that replace a part (a random target, synthetic data) are passed
+in, never put into the config.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from dflash_trainer import assets
+from dflash_trainer.config import Config
+from dflash_trainer.data.buckets import Plan, build_plan
+from dflash_trainer.distributed import DistInfo, target_load_device, wrap_drafter, wrap_target
+from dflash_trainer.dtypes import config_dtype
+from dflash_trainer.flops import StepShape, layer_dims, step_flops
+from dflash_trainer.model.drafter import build_drafter, initialise_drafter, text_config
+from dflash_trainer.model.modeling.dflash import DFlashDraftModel
+from dflash_trainer.model.objective import DFlashObjective
+from dflash_trainer.model.target import FeatureExtractor, load_target, resolve_mask_token_id
+from dflash_trainer.optim import LRSchedule, build_optimizer
+from dflash_trainer.pipeline.batch import Batch
+from dflash_trainer.pipeline.train_loop import DrafterTrainLoop
+
+__all__ = ["PEAK_BF16_FLOPS", "Components", "EpochPlans", "TrainingData", "build", "peak_flops"]
+
+log = logging.getLogger(__name__)
+
+# bf16 dense peak FLOP/s by device name, for perf/mfu (benchmarks/gpu_check.py measures the
+# achievable matmul ceiling instead).
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+
+
+class TrainingData(Protocol):
+    """The token store (``data.cache.TokenStore``) or anything alike, e.g. synthetic data."""
+
+    lengths: np.ndarray
+
+    def __len__(self) -> int:
+        """Number of samples."""
+        ...
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids int32 [L], loss_mask uint8 [L]) of sample ``index``."""
+        ...
+
+    def token_ids(self) -> np.ndarray:
+        """The distinct token ids in the data (the mask token must not be one of them)."""
+        ...
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's bf16 dense peak FLOP/s from :data:`PEAK_BF16_FLOPS` (None: unknown/CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+class EpochPlans:
+    """Each epoch's batch plan: a pure function of (data lengths, pipeline config, seed, epoch,
+    world size), built on first use; the step count of every epoch is kept."""
+
+    def __init__(self, lengths: np.ndarray, cfg: Config, world_size: int) -> None:
+        self.lengths = lengths
+        self.cfg = cfg
+        self.world_size = world_size
+        self._recent: dict[int, Plan] = {}
+        self._lengths: dict[int, int] = {}
+        self._lock = threading.Lock()  # the prefetcher's workers and the main thread ask
+
+    def build(self, epoch: int) -> Plan:
+        """A fresh plan of ``epoch`` (no cache)."""
+        return build_plan(self.lengths, self.cfg.pipeline, seed=self.cfg.training.seed,
+                          epoch=epoch, world_size=self.world_size)
+
+    def __call__(self, epoch: int) -> Plan:
+        """The plan of ``epoch``; the last two are cached (the prefetcher asks once per epoch,
+        the trainer when it logs the epoch's statistics)."""
+        with self._lock:
+            if epoch not in self._recent:
+                if len(self._recent) >= 2:
+                    self._recent.pop(min(self._recent))
+                self._recent[epoch] = self.build(epoch)
+                self._lengths[epoch] = len(self._recent[epoch])
+            return self._recent[epoch]
+
+    def num_steps(self, epoch: int) -> int:
+        """Steps in ``epoch``'s plan."""
+        if epoch not in self._lengths:
+            self(epoch)
+        return self._lengths[epoch]
+
+    def total_steps(self, epochs: int) -> int:
+        """Steps of epochs ``0 .. epochs - 1``, each from its own plan (lengths can differ)."""
+        return sum(self.num_steps(e) for e in range(epochs))
+
+
+@dataclass(kw_only=True)
+class Components:
+    """The parts of one rank's run; :meth:`close` removes the feature hooks from the target."""
+
+    cfg: Config
+    dist: DistInfo
+    target: nn.Module
+    """The frozen target (FSDP-sharded when ``distributed.target=fsdp``)."""
+    tokenizer: Any
+    data: TrainingData
+    data_stats: Any
+    """The preparation statistics (None for data passed in)."""
+    plans: EpochPlans
+    drafter: DFlashDraftModel
+    """The plain drafter module (inside the objective, which DDP/FSDP wrap)."""
+    extractor: FeatureExtractor
+    objective: nn.Module
+    loop: DrafterTrainLoop
+    total_steps: int
+    """Optimizer steps of the run: every epoch's own plan length / grad_accum, capped by
+    ``training.max_steps``; the LR schedule ends there."""
+    compute_dtype: torch.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device."""
+        return self.dist.device
+
+    def close(self) -> None:
+        """Remove the feature hooks from the target (idempotent)."""
+        self.extractor.close()
+
+
+def _load_data(cfg: Config, dist: DistInfo, tokenizer: Any) -> tuple[TrainingData, Any]:
+    from dflash_trainer.data.prepare import build_dataset
+
+    # Rank 0 tokenizes; the others then find the finished cache instead of racing to write it.
+    if dist.enabled and not dist.is_main:
+        torch.distributed.barrier()
+    store, stats = build_dataset(cfg, tokenizer=tokenizer)
+    if dist.enabled and dist.is_main:
+        torch.distributed.barrier()
+    if len(store) == 0:
+        raise ValueError("no training samples left after preparation; see the prepare "
+                         "statistics above (data.max_length, data.min_supervised_tokens)")
+    return store, stats
+
+
+def _mask_token_id(cfg: Config, tokenizer: Any, embed_rows: int, data: TrainingData) -> int:
+    data_ids = data.token_ids().tolist()
+    if tokenizer is not None:
+        return resolve_mask_token_id(tokenizer, embed_rows, explicit=cfg.model.mask_token_id,
+                                     forbidden_in_data=data_ids)
+    # A target passed in without a tokenizer (random weights): the id must be given.
+    explicit = cfg.model.mask_token_id
+    if explicit is None or not 0 <= explicit < embed_rows or explicit in set(data_ids):
+        raise ValueError(f"model.mask_token_id={explicit}: a target without a tokenizer needs an "
+                         f"explicit mask token id below {embed_rows} that is not in the data")
+    return explicit
+
+
+def _flops_fn(cfg: Config, target: nn.Module, drafter: DFlashDraftModel,
+              vocab: int) -> Callable[[Batch], float]:
+    target_dims = layer_dims(text_config(target.config))
+    drafter_dims = layer_dims(drafter.config)
+    layer_ids = drafter.target_layer_ids
+    needs_final = cfg.training.labels != "data"
+    target_layers_run = (target.config.num_hidden_layers if needs_final else max(layer_ids) + 1)
+
+    def batch_flops(batch: Batch) -> float:
+        """Model FLOPs of one micro-batch from its host-side shapes (no device sync)."""
+        rows, seq_len = batch.shape
+        shape = StepShape(rows=rows, seq_len=seq_len, num_anchors=batch.anchors.shape[1],
+                          block_size=drafter.block_size,
+                          mean_anchor=seq_len / 2,  # anchors are uniform over the sequence
+                          supervised_slots=cfg.training.loss_slots,
+                          soft_labels=cfg.training.labels == "kl")
+        return step_flops(target=target_dims, target_layers_run=target_layers_run,
+                          target_head=needs_final, drafter=drafter_dims,
+                          drafter_layers=drafter.config.num_hidden_layers,
+                          num_features=len(layer_ids), vocab=vocab, shape=shape)["total"]
+
+    return batch_flops
+
+
+def build(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None, tokenizer: Any = None,
+          data: TrainingData | None = None) -> Components:
+    """Build every part of a run for ``cfg`` on this rank.
+
+    ``target`` (a frozen HF causal LM, with or without ``tokenizer``) and ``data`` replace
+    ``model.target`` and ``data.paths`` (benchmarks on random weights or synthetic tokens).
+    Seeds the global torch RNG with ``training.seed`` first: every rank draws the same
+    drafter init.
+    """
+    device = dist.device
+    # Before the seed: the CPU dtype probe (first run on a machine) draws random numbers.
+    dtype = config_dtype(cfg.model, device) if target is None else next(target.parameters()).dtype
+    torch.manual_seed(cfg.training.seed)
+    if target is None:
+        target, tokenizer = load_target(
+            str(assets.resolve_target(cfg.model.target)),
+            device=target_load_device(dist, cfg.distributed), dtype=dtype)
+    data_stats = None
+    if data is None:
+        data, data_stats = _load_data(cfg, dist, tokenizer)
+    embed_rows = target.get_input_embeddings().weight.shape[0]
+    mask_id = _mask_token_id(cfg, tokenizer, embed_rows, data)
+    drafter = build_drafter(cfg.model, target.config, mask_token_id=mask_id)
+    initialise_drafter(drafter, target, cfg.model)
+    drafter = drafter.to(device)
+    # Sharded before the feature hooks are added, so FSDP's hooks run first.
+    target = wrap_target(target, dist, cfg.distributed)
+    extractor = FeatureExtractor(target, drafter.target_layer_ids, labels=cfg.training.labels,
+                                 label_chunk_size=cfg.training.loss_chunk_size)
+    objective = wrap_drafter(
+        DFlashObjective.from_config(drafter, extractor.embed_weight, extractor.head_weight, cfg),
+        dist, cfg.distributed)
+
+    plans = EpochPlans(data.lengths, cfg, dist.world_size)
+    micro_steps = plans.total_steps(cfg.training.epochs)
+    total_steps = max(1, micro_steps // cfg.training.grad_accum)
+    if cfg.training.max_steps is not None:
+        total_steps = min(total_steps, cfg.training.max_steps)
+    params = [p for p in objective.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, cfg.training)
+    schedule = LRSchedule(optimizer, total_steps=total_steps, cfg=cfg.training)
+    loop = DrafterTrainLoop(
+        objective=objective, parameters=params, optimizer=optimizer, schedule=schedule,
+        cfg=cfg.training, dist_info=dist, block_size=drafter.block_size,
+        autocast_dtype=torch.bfloat16 if dtype == torch.bfloat16 else None,
+        flops_fn=_flops_fn(cfg, target, drafter, extractor.head_weight.shape[0]),
+        peak_flops=peak_flops(device))
+    return Components(cfg=cfg, dist=dist, target=target, tokenizer=tokenizer, data=data,
+                      data_stats=data_stats, plans=plans, drafter=drafter, extractor=extractor,
+                      objective=objective, loop=loop, total_steps=total_steps,
+                      compute_dtype=dtype)

