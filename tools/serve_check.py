@@ -422,6 +422,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--regen-bench", type=int, default=0, metavar="N",
                         help="also time regenerating N ShareGPT conversations through vLLM and in process")
     parser.add_argument("--regen-max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads of the in-process runs (project eval, transformers regeneration); "
+                             "default 1, as vLLM's CPU engine uses on a 2-core machine")
     args = parser.parse_args(argv)
     if args.prompts < 1 or args.max_tokens < 1:
         parser.error("--prompts and --max-tokens must be >= 1")
@@ -434,6 +437,8 @@ def _raise_exit(signum: int, frame: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """The whole check; returns the exit status."""
+    import torch
+
     from dflash_trainer.assets import mtbench_questions, resolve_target
 
     out_dir = Path(args.out).resolve()
@@ -443,6 +448,7 @@ def run(args: argparse.Namespace) -> int:
     check_drafter(drafter)
     prompts = [q["turns"][0] for q in mtbench_questions()[:args.prompts]]
     python = ensure_venv(Path(args.venv), log=log)
+    torch.set_num_threads(args.threads)
 
     with start_server(python, target_dir, drafter, args, out_dir, "drafter") as server:
         spec = answer_prompts(server, prompts, max_tokens=args.max_tokens, label="drafter", speculative=True)
@@ -462,12 +468,9 @@ def run(args: argparse.Namespace) -> int:
                                         conversations, out_dir / "regen-bench" / "vllm.jsonl",
                                         concurrency=8, batch_size=8)
     if args.regen_bench:
-        import torch
-
         from dflash_trainer.data.regenerate import build_transformers_backend
 
         log(f"serve-check: regenerating the same {len(conversations)} conversations in process (transformers)")
-        torch.set_num_threads(os.cpu_count() or 1)
         regen["transformers"] = regen_bench(
             lambda: build_transformers_backend(args.target, {"temperature": 0.0},
                                                max_new_tokens=args.regen_max_new_tokens, thinking=False,
@@ -521,7 +524,7 @@ def build_result(args: argparse.Namespace, target_dir: Path, drafter: Path, sour
         result["regen_bench"] = {"vllm": regen["vllm"], "transformers": regen["transformers"],
                                  "max_new_tokens": args.regen_max_new_tokens,
                                  "vllm_setup": "openai backend, concurrency 8",
-                                 "transformers_setup": f"in process, batch 8, {os.cpu_count()} threads"}
+                                 "transformers_setup": f"in process, batch 8, {args.threads} torch threads"}
     result["completions"] = {"plain": [asdict(c) for c in plain.completions],
                              "drafter": [asdict(c) for c in spec.completions]}
     return result

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from dflash_trainer.config import Config
 from dflash_trainer.data.buckets import Plan
 from dflash_trainer.distributed import DistInfo, gather_objects
 from dflash_trainer.model.blocks import sample_anchors
@@ -51,7 +52,7 @@ class PipelineSettings:
     log_every_s: float | None = None
 
     @classmethod
-    def from_config(cls, cfg: Any, *, block_size: int) -> PipelineSettings:
+    def from_config(cls, cfg: Config, *, block_size: int) -> PipelineSettings:
         """Settings of the run config ``cfg`` for a drafter of ``block_size``."""
         return cls(prefetch_workers=cfg.pipeline.prefetch_workers,
                    batch_queue_size=cfg.pipeline.batch_queue_size,
