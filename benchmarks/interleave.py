@@ -303,7 +303,12 @@ def plot(results: dict[str, dict[str, dict[str, Any]]], seed: str, num_buckets: 
                 ax.plot(x, centred_average(y, window), color="black", linewidth=1.0, zorder=3,
                         label=f"{window}-step centred mean")
             ax.scatter(x, y, c=colours[b], s=9, zorder=2)
-            ax.set_ylim(lo - 0.03 * (hi - lo), hi + 0.03 * (hi - lo))
+            if key == "grad_norm":
+                # Log scale: the warmup's large norms would flatten the later spikes.
+                ax.set_yscale("log")
+                ax.set_ylim(lo / 1.1, hi * 1.1)
+            else:
+                ax.set_ylim(lo - 0.03 * (hi - lo), hi + 0.03 * (hi - lo))
             ax.set_ylabel(kind)
             ax.set_title(f"{kind}, order {order} (longest same-bucket run {run['longest_run']}, "
                          f"seed {seed})", fontsize=10, loc="left")
@@ -399,11 +404,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="anchors per held-out conversation")
     parser.add_argument("--out", default="benchmarks/results/interleave.json")
     parser.add_argument("--png", default="docs/interleave.png")
+    parser.add_argument("--replot", default=None, metavar="JSON",
+                        help="only redraw --png from a result JSON of this script")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    run(parse_args(argv))
+    args = parse_args(argv)
+    if args.replot:
+        report = json.loads(Path(args.replot).read_text())
+        seed = str(report["settings"]["seeds"][0])
+        plot(report["results"], seed, len(report["histogram"]), report["settings"]["window"],
+             Path(args.png))
+        print(f"wrote {args.png}")
+        return 0
+    run(args)
     return 0
 
 

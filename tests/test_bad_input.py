@@ -8,6 +8,7 @@ exit code and the first line of the message; docs/errors.md lists the same table
 from __future__ import annotations
 
 import json
+import logging
 import re
 import threading
 import time
@@ -117,6 +118,24 @@ def _edited_drafter(t: Path, d: Path) -> list[str]:
             f"run_dir={d / 'run'}"]
 
 
+def _drafter_for_another_target(t: Path, d: Path) -> list[str]:
+    folder = checkpoint(d, t) / "drafter"
+    config = json.loads((folder / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [0, 7]  # same weight shapes, a layer this target lacks
+    (folder / "config.json").write_text(json.dumps(config))
+    return ["eval", "--drafter", str(folder), f"model.target={t}", "eval.num_prompts=1",
+            f"run_dir={d / 'run'}"]
+
+
+def _eval(*extra: str, prompts: bytes | None = None) -> Callable[[Path, Path], list[str]]:
+    """``eval`` of a drafter folder that does not exist: the prompts are read first."""
+    def argv(t: Path, d: Path) -> list[str]:
+        source = [f"eval.prompts={_write(d / 'prompts.jsonl', prompts)}"] if prompts is not None else []
+        return ["eval", "--drafter", str(d / "no-drafter"), f"model.target={t}", f"run_dir={d / 'run'}",
+                *source, *extra]
+    return argv
+
+
 def _corrupt_export(t: Path, d: Path) -> list[str]:
     ckpt = checkpoint(d, t)
     flip_bytes(ckpt / "drafter" / "model.safetensors")
@@ -198,7 +217,7 @@ CASES = [
     Case("train: missing target", _train("model.target=/nonexistent/target"), 1,
          r"target error: .*/nonexistent/target"),
     Case("train: corrupted checkpoint to resume", _corrupt_resume, 2,
-         r"checkpoint.resume=.*step-2: state.pt does not match its checksum"),
+         r"checkpoint error: checkpoint.resume=.*step-2: state.pt does not match its checksum"),
     Case("export: corrupted weights", _corrupt_export, 1,
          r"checkpoint error: .*step-2: drafter/model.safetensors does not match its checksum"),
     Case("export: weights missing", _missing_weights, 1,
@@ -209,6 +228,15 @@ CASES = [
          r"exported drafter"),
     Case("eval: drafter with an edited config.json", _edited_drafter, 1,
          r"checkpoint error: .*drafter: config.json does not match model.safetensors"),
+    Case("eval: drafter for another target", _drafter_for_another_target, 1,
+         r"checkpoint error: --drafter .*drafter does not fit the target .*: drafter/target mismatch: "
+         r"model.target_layer_ids \[7\] out of range"),
+    Case("eval: not a drafter folder", _eval("eval.num_prompts=1"), 1,
+         r"checkpoint error: --drafter .*no-drafter: no config.json there"),
+    Case("eval: bad JSON line in the prompts", _eval(prompts=b'{"prompt": "hi"}\n{oops\n'), 1,
+         r"data error: .*prompts.jsonl:2: not valid JSON"),
+    Case("eval: unknown prompt source", _eval("eval.prompts=nope"), 2,
+         r"config error: eval.prompts='nope': not 'mtbench', 'sharegpt-heldout' or an existing JSONL file"),
     Case("regenerate: bad option", lambda t, d: ["regenerate", "--out", str(d / "o.jsonl"),
                                                  "--backend", "openai"], 2,
          r"config error: --backend openai needs --server-url"),
@@ -318,6 +346,27 @@ def test_a_full_or_read_only_disk_is_one_line(tmp_path: Path) -> None:
     assert found is not None and str(found).startswith(
         f"cannot write {tmp_path / 'run' / 'config.yaml'}: Read-only file system; free space")
     assert disk_error(RuntimeError("a bug")) is None
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_disk_error_while_closing_after_a_failure_is_one_line(
+        target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """metrics.jsonl on a full disk: its first line fails the run, and closing the trainer
+    fails again on the same file; that second failure is one warning line, not a traceback."""
+    data = make_chat_jsonl(tmp_path / "chat.jsonl", num=8)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").symlink_to("/dev/full")  # every flush: ENOSPC
+    with caplog.at_level(logging.WARNING, logger="dflash_trainer.train"):
+        assert cli_main(train_args(target, tmp_path, data)) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines()
+              if line.startswith("dflash-trainer train: ")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "dflash-trainer train: disk error: cannot write"), errors
+    closing = [r for r in caplog.records if r.name == "dflash_trainer.train"]
+    assert [(r.levelno, r.exc_info) for r in closing] == [(logging.WARNING, None)], caplog.text
+    assert closing[0].getMessage().startswith(
+        "closing after the failure failed too: disk error: cannot write"), caplog.text
 
 
 # --- regenerate against a server that misbehaves on purpose -------------------------------------

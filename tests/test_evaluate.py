@@ -16,6 +16,7 @@ from torch.nn import functional as F
 from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaForCausalLM
 
 from dflash_trainer.config import ModelConfig, load_config
+from dflash_trainer.errors import CheckpointError
 from dflash_trainer.evaluate import (EvalError, EvalPrompt, EvalReport, InTrainingEval, print_summary,
                                      read_prompt_file, render_prompt, request_result, summarize, write_results)
 from dflash_trainer.model.drafter import build_drafter
@@ -311,8 +312,9 @@ def test_eval_command_on_smollm2_mtbench(tmp_path):
     evals, skipped = read_evals(out)
     assert not skipped and evals[0].tau == results["tau"]
 
-    missing = evaluate.main(cfg, argparse.Namespace(drafter=str(tmp_path / "nope"), out=None))
-    assert missing == 2
+    # A user error goes to cli.main, which prints it and exits 1 (tests/test_bad_input.py).
+    with pytest.raises(CheckpointError, match="nope: no config.json there"):
+        evaluate.main(cfg, argparse.Namespace(drafter=str(tmp_path / "nope"), out=None))
 
 
 def test_report_roundtrip_of_outputs(tmp_path):

@@ -74,4 +74,7 @@ def test_benchmark_end_to_end_tiny(tmp_path: Path):
             assert key in run
     assert json.loads(out.read_text())["results"]["3"]["shuffle"]["steps"] == 6
     assert png.stat().st_size > 10_000
+    replot = tmp_path / "replot.png"
+    assert bench.main(["--replot", str(out), "--png", str(replot)]) == 0
+    assert replot.stat().st_size > 10_000
     assert sum(r["samples"] for r in report["histogram"]) > 0

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from dflash_trainer.cli import main as cli_main
+from dflash_trainer.evaluate import mtbench_prompts
 from helpers_e2e import make_chat_jsonl, make_tiny_target
 
 # Full CLI runs (train, demo with evaluation): about a minute.
@@ -95,6 +96,11 @@ def test_demo_command_end_to_end(tiny_setup, tmp_path: Path, capsys):
     results = json.loads((run / "eval" / "results.json").read_text())
     assert results["lossless"] and results["untrained_lossless"]
     assert 1.0 <= results["tau"] <= 16 and 1.0 <= results["untrained_tau"] <= 16
+    # The trained drafter's answers, each with its acceptance trace, for the report to highlight.
+    assert [r["prompt_text"] for r in results["per_prompt"]] == [p.turns[0] for p in mtbench_prompts()[:2]]
+    assert all(r["lossless"] and r["trace"] and all("text" in e for e in r["trace"])
+               for r in results["per_prompt"])
     taus = [r for r in read_jsonl(run / "metrics.jsonl") if "eval/tau" in r]
     assert [r["step"] for r in taus][0] == 0 and len(taus) == 2
-    assert (run / "report" / "index.html").is_file()
+    index = (run / "report" / "index.html").read_text()
+    assert "The first 2 of 2 answers of eval/results." in index and index.count("<div class='answer'>") == 2

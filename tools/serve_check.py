@@ -159,8 +159,8 @@ def start_server(python: Path, target_dir: Path, drafter: Path | None, args: arg
     command = server_command(python, target_dir, port=port, speculative=speculative, dtype=args.dtype,
                              max_model_len=args.max_model_len, extra_args=extra)
     server = VllmServer(command, port=port, log_path=out_dir / f"vllm-{label}.log", env=server_env())
-    log(f"serve-check: starting vLLM {label} on {server.url} (log {server.log_path}); "
-        "the first start compiles, a few minutes on a small CPU")
+    wait = "about a minute or two" if args.eager else "a few minutes on a small CPU (torch.compile)"
+    log(f"serve-check: starting vLLM {label} on {server.url} (log {server.log_path}); startup takes {wait}")
     server.start()
     try:
         startup = server.wait_ready(args.startup_timeout)
@@ -378,7 +378,8 @@ def format_report(result: dict[str, Any]) -> str:
     if result.get("regen_check"):
         rc = result["regen_check"]
         lines += ["", f"regeneration (openai backend -> this vLLM): killed after {rc['killed_after_records']} of "
-                      f"{rc['limit']} conversations, resumed: {rc['rerun_summary'].removeprefix('regenerate: ')}"]
+                      f"{rc['limit']} conversations, resumed: "
+                      f"{rc['rerun_summary'].removeprefix('regenerate: ').split(' -> ')[0]}"]
     if result.get("regen_bench"):
         rb = result["regen_bench"]
         lines.append("")
@@ -443,6 +444,8 @@ def run(args: argparse.Namespace) -> int:
 
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.drafter:
+        check_drafter(Path(args.drafter))  # a bad folder fails before anything slow starts
     target_dir = resolve_target(args.target)
     drafter, source = resolve_drafter(args, target_dir, out_dir)
     check_drafter(drafter)
@@ -534,9 +537,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; see the module docstring for the exit status."""
     args = parse_args(argv)
     # Turn termination into SystemExit so every `with VllmServer` and finally block runs.
-    signal.signal(signal.SIGTERM, _raise_exit)
-    signal.signal(signal.SIGHUP, _raise_exit)
+    previous = {sig: signal.signal(sig, _raise_exit) for sig in (signal.SIGTERM, signal.SIGHUP)}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        return _run_reporting_errors(args)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run_reporting_errors(args: argparse.Namespace) -> int:
     from dflash_trainer.assets import AssetError
     from dflash_trainer.errors import UserError
 

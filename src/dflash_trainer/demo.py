@@ -24,7 +24,7 @@ from dflash_trainer.data import prepare
 from dflash_trainer.evaluate import InTrainingEval, load_prompts
 from dflash_trainer.model.target import load_target
 from dflash_trainer.report import write_report
-from dflash_trainer.train import Trainer
+from dflash_trainer.train import Trainer, close_after_failure
 
 
 def _fmt(value: Any) -> str:
@@ -60,8 +60,10 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
         trainer.train()
         trained = evaluator(trainer.drafter)
         trainer.trackers.log(trained, trainer.loop.optimizer_step)
-    finally:
-        trainer.close()
+    except BaseException:
+        close_after_failure(trainer)
+        raise
+    trainer.close()
     run_dir = Path(cfg.run_dir)
     eval_dir = run_dir / "eval"
     eval_dir.mkdir(parents=True, exist_ok=True)
@@ -71,6 +73,8 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
         "untrained_tau": untrained["eval/tau"], "untrained_lossless": bool(untrained["eval/lossless"]),
         "prompts": cfg.eval.prompts, "num_prompts": num_prompts,
         "max_new_tokens": cfg.eval.max_new_tokens, "steps": trainer.loop.optimizer_step,
+        # The trained drafter's answers with their acceptance traces: the report highlights them.
+        "per_prompt": [r.to_json() for r in evaluator.last_requests],
     }
     (eval_dir / "results.json").write_text(json.dumps(results, indent=1))
     report = write_report(run_dir)

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from dflash_trainer.config import Config, save_config
+from dflash_trainer.errors import CheckpointError, ConfigError, DataError, TargetError
 from dflash_trainer.spec_decode import (Decoded, acceptance_spans, end_of_turn_ids, first_mismatch,
                                         piece_texts, speculative_generate, target_generate)
 
@@ -49,8 +50,9 @@ __all__ = ["EvalError", "EvalPrompt", "EvalReport", "InTrainingEval", "RequestRe
            "request_result", "summarize", "write_results"]
 
 
-class EvalError(ValueError):
-    """A user error in the evaluation inputs; the message names the file/field and the fix."""
+class EvalError(DataError):
+    """A bad evaluation prompt source (unreadable, malformed or empty prompts); the message names
+    the file and line or the config key, and the fix."""
 
 
 @dataclass(kw_only=True)
@@ -228,11 +230,12 @@ def load_prompts(cfg: Config, *, limit: int | None = None, first_turn_only: bool
     elif Path(source).is_file():
         prompts = read_prompt_file(source)
     else:
-        raise EvalError(f"eval.prompts={source!r}: not 'mtbench', 'sharegpt-heldout' or an existing JSONL file")
+        raise ConfigError(f"eval.prompts={source!r}: not 'mtbench', 'sharegpt-heldout' or an existing "
+                          "JSONL file")
     limit = cfg.eval.num_prompts if limit is None else limit
     if limit is not None:
         if limit < 1:
-            raise EvalError(f"eval.num_prompts must be >= 1, got {limit}")
+            raise ConfigError(f"eval.num_prompts must be >= 1, got {limit}")
         prompts = prompts[:limit]
     if cfg.eval.first_turn_only if first_turn_only is None else first_turn_only:
         prompts = [replace(p, turns=p.turns[:1]) for p in prompts]
@@ -242,7 +245,7 @@ def load_prompts(cfg: Config, *, limit: int | None = None, first_turn_only: bool
 def render_prompt(tokenizer: Any, messages: list[dict[str, str]], *, thinking: bool = False) -> list[int]:
     """Token ids of a chat ending with the assistant generation prompt (the training template)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise EvalError(f"the tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat template, "
+        raise TargetError(f"the tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat template, "
                         "so prompts cannot be rendered; use a target folder whose tokenizer has one")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                          enable_thinking=thinking)
@@ -567,8 +570,8 @@ def _dtype(cfg: Config, device: torch.device) -> torch.dtype:
 def load_models(cfg: Config, drafter_dir: Path) -> tuple[nn.Module, nn.Module, Any, Path]:
     """(drafter, target, tokenizer, target folder) for ``cfg`` on its device and dtype.
 
-    Raises :class:`EvalError` when ``drafter_dir`` is not an exported drafter; asset and
-    compatibility errors propagate (``AssetError``, ``ValueError``).
+    Raises :class:`~dflash_trainer.errors.CheckpointError` when ``drafter_dir`` is not an
+    exported drafter or does not fit the target; target errors (``AssetError``) propagate.
     """
     from dflash_trainer.assets import resolve_target
     from dflash_trainer.distributed import resolve_device
@@ -577,32 +580,32 @@ def load_models(cfg: Config, drafter_dir: Path) -> tuple[nn.Module, nn.Module, A
     from dflash_trainer.model.target import load_target
 
     if not (drafter_dir / "config.json").is_file():
-        raise EvalError(f"--drafter {drafter_dir}: no config.json there; pass a folder written by "
-                        "`dflash-trainer export` (or the run's drafter/ folder)")
+        raise CheckpointError(f"--drafter {drafter_dir}: no config.json there; pass a folder written by "
+                              "`dflash-trainer export` (or the run's drafter/ folder)")
     device = resolve_device(cfg.pipeline)
     dtype = _dtype(cfg, device)
     target_path = resolve_target(cfg.model.target)
     target, tokenizer = load_target(str(target_path), device=device, dtype=dtype)
     drafter = load_drafter(drafter_dir, dtype=dtype).to(device).eval()
-    check_compatible(drafter.config, target.config)
+    try:
+        check_compatible(drafter.config, target.config)
+    except ValueError as exc:
+        raise CheckpointError(f"--drafter {drafter_dir} does not fit the target {target_path}: {exc}; pass "
+                              "the target it was trained for (--target) or a drafter trained for "
+                              "this one") from exc
     return drafter, target, tokenizer, target_path
 
 
 def main(cfg: Config, args: argparse.Namespace) -> int:
     """``dflash-trainer eval --drafter DIR [--target T] [--prompts P] [--out DIR]``.
 
-    Exit status: 0 when every greedy output equals the target's, 1 on a lossless failure,
-    2 on a user error (missing drafter, bad prompt file, incompatible drafter).
+    Exit status: 0 when every greedy output equals the target's, 1 on a lossless failure. User
+    errors (a bad prompt file, a missing or incompatible drafter, a bad eval option) are raised
+    as :class:`~dflash_trainer.errors.UserError` for ``cli.main`` to report with their code.
     """
-    from dflash_trainer.assets import AssetError
-
     drafter_dir = Path(args.drafter)
-    try:
-        prompts = load_prompts(cfg)
-        drafter, target, tokenizer, target_path = load_models(cfg, drafter_dir)
-    except (EvalError, AssetError, ValueError) as exc:
-        print(f"dflash-trainer eval: error: {exc}", file=sys.stderr)
-        return 2
+    prompts = load_prompts(cfg)
+    drafter, target, tokenizer, target_path = load_models(cfg, drafter_dir)
     param = next(target.parameters())
     device, dtype = param.device, param.dtype
     torch.manual_seed(cfg.training.seed)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dflash_trainer.config import Config
+from dflash_trainer.errors import ConfigError
 from dflash_trainer.evaluate import EvalError, EvalPrompt, load_models, read_prompt_file, render_prompt
 from dflash_trainer.spec_decode import (Decoded, Span, end_of_turn_ids, first_mismatch, speculative_generate,
                                         target_generate)
@@ -199,21 +200,16 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     """``dflash-trainer generate --drafter DIR (--prompt TEXT | --prompts FILE | --interactive)``.
 
     Exit status 0; 1 when ``--check`` finds an answer that differs from the target's greedy
-    answer; 2 on a usage error (no prompt source, bad drafter or prompt file).
+    answer. User errors (no or several prompt sources: 2; a bad drafter or prompt file: 1) are
+    raised as :class:`~dflash_trainer.errors.UserError` for ``cli.main`` to report.
     """
-    from dflash_trainer.assets import AssetError
-
     stream = sys.stdout
     sources = sum([args.prompt is not None, args.prompts is not None, bool(args.interactive)])
-    try:
-        if sources != 1:
-            raise EvalError("give exactly one of --prompt TEXT, --prompts FILE or --interactive")
-        prompts = ([EvalPrompt(id="0", turns=[args.prompt])] if args.prompt is not None
-                   else read_prompts(args.prompts) if args.prompts is not None else [])
-        drafter, target, tokenizer, target_path = load_models(cfg, Path(args.drafter))
-    except (EvalError, AssetError, ValueError) as exc:
-        print(f"dflash-trainer generate: error: {exc}", file=sys.stderr)
-        return 2
+    if sources != 1:
+        raise ConfigError("give exactly one of --prompt TEXT, --prompts FILE or --interactive")
+    prompts = ([EvalPrompt(id="0", turns=[args.prompt])] if args.prompt is not None
+               else read_prompts(args.prompts) if args.prompts is not None else [])
+    drafter, target, tokenizer, target_path = load_models(cfg, Path(args.drafter))
     torch.manual_seed(cfg.training.seed)
     colour = stream.isatty() and not os.environ.get("NO_COLOR")
     max_new_tokens = args.max_new_tokens or cfg.eval.max_new_tokens

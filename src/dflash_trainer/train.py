@@ -14,7 +14,6 @@ import math
 import os
 import random
 import signal
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,11 +25,13 @@ import yaml
 
 from dflash_trainer.checkpoint import (
     LATEST, Checkpointer, ResumeError, SaveRequest, load_state, resolve_resume, snapshot)
+from dflash_trainer.cli import disk_error
 from dflash_trainer.components import Components, build
 from dflash_trainer.config import Config, config_to_dict, save_config
 from dflash_trainer.distributed import (
     DistInfo, check_distributed_options, close_distributed, full_model_state,
     full_optimizer_state, init_distributed, is_sharded, load_model_state, load_optimizer_state)
+from dflash_trainer.errors import UserError
 from dflash_trainer.fsutil import step_of
 from dflash_trainer.model.export import export_drafter
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
@@ -181,7 +182,7 @@ class Trainer:
                 # Last, so that nothing built after it draws from the restored RNG streams.
                 self.load_state_dict(resume)
         except BaseException:
-            self.close()  # the checkpointer thread and the feature hooks exist already
+            close_after_failure(self)  # the checkpointer thread and the feature hooks exist already
             raise
 
     # -- the parts, by name -------------------------------------------------------------
@@ -510,27 +511,41 @@ class Trainer:
             raise first_error
 
 
+def close_after_failure(trainer: Trainer) -> None:
+    """Close ``trainer`` after a failure that the caller re-raises.
+
+    A second failure while closing must not hide the first: it is logged, as one line when
+    it is a user or disk error (e.g. the metrics file on the same full disk), with its
+    traceback when it is a bug.
+    """
+    try:
+        trainer.close()
+    except BaseException as exc:
+        user = exc if isinstance(exc, UserError) else disk_error(exc)
+        if user is None:
+            log.exception("error while closing after a failure")
+        else:
+            log.warning("closing after the failure failed too: %s: %s", user.kind, user)
+
+
 def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     """``dflash-trainer train``: exit 0 on completion or on a graceful SIGTERM/SIGINT stop.
 
     A stop requested by a signal exits 0 (schedulers send SIGTERM to ask for exactly that)
-    after the final checkpoint, without the final eval and report. A refused resume exits 2
-    with the reason; any other failure propagates (exit 1 with its traceback).
+    after the final checkpoint, without the final eval and report. User errors (a refused
+    resume among them) propagate to ``cli.main``, which prints them as one line with their
+    exit code; any other failure propagates with its traceback.
     """
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         trainer = Trainer(cfg)
-    except ResumeError as exc:
-        print(f"dflash-trainer train: {exc}", file=sys.stderr, flush=True)
-        close_distributed()
-        return 2
+    except UserError:
+        close_distributed()  # every rank refuses the same config; a bug keeps the group for its traceback
+        raise
     try:
         trainer.train()
     except BaseException:
-        try:
-            trainer.close()
-        except BaseException:  # the original failure is the one to report
-            log.exception("error while closing after a failure")
+        close_after_failure(trainer)
         raise
     trainer.close()
     stopped_by_signal = (trainer.stopped_by or "").startswith("signal")
