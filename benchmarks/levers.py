@@ -181,7 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--cache-dir", default="runs/levers/cache")
     parser.add_argument("--out", default=None, help="JSON results file")
+    parser.add_argument("--markdown", nargs="+", default=None, metavar="FILE",
+                        help="print the table of earlier --out files (rows of one variant name are merged) and exit")
     args = parser.parse_args(argv)
+    if args.markdown:
+        files = [json.loads(Path(f).read_text()) for f in args.markdown]
+        common = sorted(set.intersection(*(set(f["checkpoints"]) for f in files)))
+        print(format_table([row for f in files for row in f["results"]], common))
+        return 0
     torch.set_num_threads(args.threads)
     checkpoints = sorted(int(c) for c in args.checkpoints.split(","))
     seeds = [int(s) for s in args.seeds.split(",")]
