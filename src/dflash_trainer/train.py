@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 # Settings a resumed run must share with its checkpoint: they decide the data order, the
 # model shape and the meaning of the saved optimizer state.
 RESUME_KEYS = ("data", "model", "pipeline.num_buckets", "pipeline.bucket_boundaries",
-               "pipeline.tokens_per_batch", "pipeline.max_batch_size", "pipeline.max_run",
+               "pipeline.tokens_per_batch", "pipeline.max_batch_size", "pipeline.max_run", "pipeline.order",
                "training.seed", "training.num_anchors", "training.grad_accum")
 # Inside RESUME_KEYS but free to change: where things are stored, not what they are.
 RESUME_FREE = frozenset({"data.cache_dir"})
