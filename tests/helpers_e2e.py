@@ -3,10 +3,14 @@ overrides of a short run, and a W&B run log reader."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
+import socketserver
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +70,16 @@ def wandb_records(run_file: Path) -> list[dict[str, Any]]:
     out = subprocess.run([str(wandb_cli), "leet", "inspect", "--json", str(run_file)],
                          capture_output=True, text=True, timeout=120).stdout
     return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+@contextlib.contextmanager
+def serving(server: socketserver.BaseServer, *, join_timeout: float) -> Iterator[socketserver.BaseServer]:
+    """Serve ``server`` from a daemon thread for the block; shut it down and close it after."""
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=join_timeout)

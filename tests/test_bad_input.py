@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers_e2e import make_chat_jsonl, make_tiny_target
+from helpers_e2e import make_chat_jsonl, make_tiny_target, serving
 from transformers import AutoConfig
 
 from dflash_trainer.checkpoint import Checkpointer, SaveRequest, resolve_resume
@@ -429,14 +429,8 @@ class BadHandler(BaseHTTPRequestHandler):
 
 @pytest.fixture()
 def server(request: pytest.FixtureRequest):
-    srv = BadServer(*request.param)
-    thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05},
-                              daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-    thread.join(timeout=5)
+    with serving(BadServer(*request.param), join_timeout=5) as srv:
+        yield srv
 
 
 ONE = [("c1", [{"role": "user", "content": "hi"}])]

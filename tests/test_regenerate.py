@@ -27,6 +27,7 @@ from dflash_trainer.data.regenerate import (
     recover_output,
     regenerate,
 )
+from helpers_e2e import serving
 
 MAX_NEW = 6
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, top_p=1.0, top_k=0)
@@ -327,14 +328,8 @@ class ChatHandler(BaseHTTPRequestHandler):
 @pytest.fixture()
 def chat_server(smollm2: tuple[Path, Any, Any]):
     path, model, tokenizer = smollm2
-    server = ChatServer(model, tokenizer, read_generation_config(path))
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05},
-                              daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=10)
+    with serving(ChatServer(model, tokenizer, read_generation_config(path)), join_timeout=10) as server:
+        yield server
 
 
 @pytest.mark.slow
