@@ -15,9 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -35,9 +38,9 @@ from dflash_trainer.config import (DistributedConfig, ModelConfig, PipelineConfi
                                    load_config)
 from dflash_trainer.data.buckets import Plan, Step, build_plan
 from dflash_trainer.distributed import (
-    DistInfo, check_distributed_options, close_distributed, full_model_state, full_optimizer_state,
-    gather_objects, init_distributed, load_model_state, load_optimizer_state, wrap_drafter,
-    wrap_target)
+    DistInfo, all_reduce_sum, check_distributed_options, close_distributed, full_model_state,
+    full_optimizer_state, gather_objects, init_distributed, load_model_state,
+    load_optimizer_state, wrap_drafter, wrap_target)
 from dflash_trainer.model.blocks import sample_anchors
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.model.objective import DFlashObjective
@@ -58,6 +61,10 @@ CPU = torch.device("cpu")
 GRAD_RTOL = 1e-5
 # Logged loss and grad norm of whole runs compared across layouts (8 AdamW steps).
 TRAIN_RTOL = 1e-5
+# A launch of 2 ranks takes ~15 s alone; the limit allows for a loaded machine.
+LAUNCH_TIMEOUT_S = 300
+# A rank left waiting in a collective fails with an error naming it well before that.
+COLLECTIVE_TIMEOUT_S = 120
 
 
 def test_option_errors_are_clear(monkeypatch):
@@ -65,15 +72,11 @@ def test_option_errors_are_clear(monkeypatch):
     with pytest.raises(ValueError, match="eval.every_steps"):
         check_distributed_options(DistributedConfig(target="fsdp"), two, in_training_eval=True)
     check_distributed_options(DistributedConfig(), two, in_training_eval=True)
+    with pytest.raises(ValueError, match="distributed.timeout_s must be > 0"):
+        load_config(None, ["distributed.timeout_s=0"])
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="nccl needs CUDA"):
         init_distributed(PipelineConfig(device="cpu"), DistributedConfig(backend="nccl"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- module level: one step, 2 ranks vs 1 process ------------------------------------------------
@@ -165,11 +168,19 @@ def replicated_full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _module_worker(rank: int, port: int, out: str) -> None:
+def _join_store(rank: int, port: int) -> None:
+    """torchrun's environment for ``rank``: the store is the parent's (see spawn_ranks), as
+    torchrun's agent hosts it, so every rank is its client."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+                      TORCHELASTIC_USE_AGENT_STORE="True")
     torch.set_num_threads(1)
-    info = init_distributed(PipelineConfig(device="cpu"), DistributedConfig())
+
+
+def _module_worker(rank: int, port: int, out: str) -> None:
+    _join_store(rank, port)
+    info = init_distributed(PipelineConfig(device="cpu"),
+                            DistributedConfig(timeout_s=COLLECTIVE_TIMEOUT_S))
     target = tiny_target()
     items = make_batches(target, [1, 2])
     mine = [items[rank], items[2 + rank]]
@@ -234,8 +245,55 @@ def sharded_target_diff(target: LlamaForCausalLM, batch: Batch, info: DistInfo) 
 @pytest.fixture(scope="module")
 def module_results(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("module") / "rank0.pt"
-    mp.spawn(_module_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn_ranks(_module_worker, str(out), timeout_s=LAUNCH_TIMEOUT_S)
     return torch.load(out, weights_only=False)
+
+
+def spawn_ranks(worker: Callable[..., None], *args: object, timeout_s: float) -> None:
+    """Run ``worker(rank, store_port, *args)`` in WORLD processes; fail the test (killing
+    them) if they have not all finished in ``timeout_s``.
+
+    The ranks' TCPStore is served from here, as torchrun's agent serves it, on a port the OS
+    picks and that stays bound: no port is released and re-bound, so another launch cannot
+    take it in between.
+    """
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    context = mp.spawn(worker, args=(store.port, *args), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+                process.join()
+            pytest.fail(f"the {WORLD} ranks of {worker.__name__} did not finish in {timeout_s} s")
+
+
+def _stuck_peer_worker(rank: int, port: int, out: str) -> None:
+    _join_store(rank, port)
+    init_distributed(PipelineConfig(device="cpu"), DistributedConfig(timeout_s=2.0))
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False)
+    if rank == 1:
+        # Alive but never entering the collective (exiting would fail rank 0 at once).
+        store.wait(["rank0_done"], timedelta(seconds=60))
+        return
+    begin = time.monotonic()
+    try:
+        all_reduce_sum(torch.ones(1))
+        outcome = "returned"
+    except RuntimeError as exc:
+        outcome = f"raised after {time.monotonic() - begin:.1f} s: {exc}"
+    Path(out).write_text(outcome)
+    store.set("rank0_done", "1")
+
+
+@pytest.mark.slow
+def test_stuck_peer_fails_the_collective_after_the_timeout(tmp_path):
+    """distributed.timeout_s bounds a collective that another rank never enters."""
+    out = tmp_path / "outcome.txt"
+    spawn_ranks(_stuck_peer_worker, str(out), timeout_s=LAUNCH_TIMEOUT_S)
+    outcome = out.read_text()
+    assert outcome.startswith("raised after"), outcome
+    assert 1.5 <= float(outcome.split()[2]) < 30, outcome
 
 
 def single_process(micro_batches: list[StepInput], grad_accum: int = 1) -> dict:
@@ -307,17 +365,93 @@ def overrides(root: Path, run_dir: Path, *extra: str) -> list[str]:
 
 
 def torchrun(root: Path, run_dir: Path, *extra: str) -> Path:
-    """``torchrun --nnodes 1 --nproc-per-node 2`` with c10d rendezvous on 127.0.0.1."""
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "1",
-           "--nproc-per-node", str(WORLD), "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "-m", "dflash_trainer", "train",
-           *overrides(root, run_dir, *extra)]
+    """``torchrun --standalone --nproc-per-node 2``: the launcher binds its rendezvous store to
+    a port the OS picks, under a fresh rendezvous id, so no two launches can meet on one port."""
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone",
+           "--nproc-per-node", str(WORLD), "-m", "dflash_trainer", "train",
+           *overrides(root, run_dir, f"distributed.timeout_s={COLLECTIVE_TIMEOUT_S}", *extra)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     log = run_dir.parent / f"{run_dir.name}.log"
-    log.write_text(proc.stdout + proc.stderr)
-    assert proc.returncode == 0, f"torchrun failed, output in {log}:\n{proc.stderr[-3000:]}"
+    code = run_with_deadline(cmd, env, log, timeout_s=LAUNCH_TIMEOUT_S)
+    tail = log.read_text(errors="replace")[-6000:]
+    assert code is not None, (f"torchrun did not finish in {LAUNCH_TIMEOUT_S} s; every process "
+                              f"was killed after dumping its Python stacks; {log} ends:\n{tail}")
+    assert code == 0, f"torchrun failed with exit code {code}; {log} ends:\n{tail}"
     return run_dir
+
+
+def run_with_deadline(cmd: list[str], env: dict[str, str], log: Path, *,
+                      timeout_s: float) -> int | None:
+    """Run ``cmd`` (torchrun) with stdout and stderr to ``log``; its exit code, None on timeout.
+
+    torchrun starts each rank in a session of its own, so killing torchrun (or its process
+    group) leaves the ranks running. On timeout, or if this process is interrupted, torchrun
+    and every process under it first write their threads' Python stacks to the log (SIGABRT
+    under ``PYTHONFAULTHANDLER``), then each is killed with its process group. The output goes
+    to a file, not a pipe, so a rank that outlives torchrun cannot keep the test waiting.
+    """
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env={**env, "PYTHONFAULTHANDLER": "1"}, cwd=log.parent,
+                                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+        finally:
+            if proc.poll() is None:
+                kill_tree(proc, grace_s=10.0)
+
+
+def kill_tree(proc: subprocess.Popen, *, grace_s: float) -> None:
+    """Abort ``proc`` and its descendants (stack dumps), then kill each one's process group."""
+    pids = [proc.pid, *descendants(proc.pid)]  # while proc lives: orphans lose their parent
+    for pid in pids:
+        signal_quietly(os.kill, pid, signal.SIGABRT)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        proc.poll()  # reap torchrun; the ranks are reaped by their new parent
+        time.sleep(0.1)
+    for pid in pids:
+        signal_quietly(os.killpg, pid, signal.SIGKILL)  # torchrun and each rank lead a group
+    proc.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """The live descendants of ``pid``, from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # exited meanwhile
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])  # the name may hold spaces and ")"
+        children.setdefault(parent, []).append(int(entry.name))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found.extend(kids)
+        todo.extend(kids)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def signal_quietly(send: Callable[[int, int], None], pid: int, sig: signal.Signals) -> None:
+    """``send(pid, sig)``, ignoring a process (group) that is already gone."""
+    try:
+        send(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -220,6 +220,9 @@ class DistributedConfig:
     drafter: Literal["ddp", "fsdp"] = "ddp"
     target: Literal["replicate", "fsdp"] = "replicate"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
+    timeout_s: float = 1800.0
+    """How long a collective (and the wait while rank 0 tokenizes the data) may block before
+    the rank fails with an error naming it, instead of waiting forever for a stuck rank."""
 
 
 @dataclass(kw_only=True)
@@ -281,6 +284,7 @@ def validate(cfg: Config) -> None:
          f"data.max_length ({cfg.data.max_length}) so the longest sample fits a batch"),
         (cfg.logging.every_steps >= 1, "logging.every_steps must be >= 1"),
         (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
+        (cfg.distributed.timeout_s > 0, "distributed.timeout_s must be > 0"),
         (cfg.eval.temperature >= 0, "eval.temperature must be >= 0"),
         (cfg.eval.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1"),
     ]

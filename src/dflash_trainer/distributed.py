@@ -82,7 +82,10 @@ def init_distributed(pipeline: PipelineConfig, cfg: DistributedConfig) -> DistIn
     if world_size > 1 and not dist.is_initialized():
         backend = _backend(cfg, device)
         kwargs = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend=backend, timeout=timedelta(minutes=30), **kwargs)
+        # A rank waiting in a collective that another rank never enters fails after
+        # distributed.timeout_s with the backend's timeout error, naming the operation.
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.timeout_s),
+                                **kwargs)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
@@ -167,7 +170,9 @@ def wrap_target(model: nn.Module, info: DistInfo, cfg: DistributedConfig) -> nn.
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    group = dist.new_group(backend=_backend(cfg, info.device))
+    # new_group does not inherit the default group's timeout.
+    group = dist.new_group(backend=_backend(cfg, info.device),
+                           timeout=timedelta(seconds=cfg.timeout_s))
     mesh = DeviceMesh.from_group(group, info.device.type)
     layers = _decoder_layers(model)
     if not layers:
