@@ -50,8 +50,8 @@ from dflash_trainer.data.prepare import build_dataset  # noqa: E402
 from dflash_trainer.model.blocks import sample_anchors  # noqa: E402
 from dflash_trainer.model.drafter import build_drafter, initialise_drafter, text_config  # noqa: E402
 from dflash_trainer.model.objective import DFlashObjective  # noqa: E402
-from dflash_trainer.model.target import (FeatureExtractor, TargetOutputs, load_target,  # noqa: E402
-                                         resolve_mask_token_id)
+from dflash_trainer.model.target import (FeatureExtractor, TargetOutputs,  # noqa: E402
+                                         greedy_next_tokens, load_target, resolve_mask_token_id)
 from dflash_trainer.pipeline.batch import Batch  # noqa: E402
 from dflash_trainer.optim import LRSchedule, build_optimizer  # noqa: E402
 
@@ -66,6 +66,7 @@ class Cached:
     loss_mask: torch.Tensor
     layers: dict[int, torch.Tensor]
     final_hidden: torch.Tensor
+    greedy_labels: torch.Tensor | None = None
 
 
 def _layer_ids(cfg: Config, num_target_layers: int) -> list[int]:
@@ -99,19 +100,25 @@ def _batch(sample: Cached, anchors: torch.Tensor, keep: torch.Tensor) -> Batch:
     return Batch.of_rows(sample.input_ids, sample.loss_mask, anchors=anchors, keep=keep)
 
 
-def _target(sample: Cached, layer_ids: list[int]) -> TargetOutputs:
+def _target(sample: Cached, layer_ids: list[int], head: torch.Tensor | None) -> TargetOutputs:
+    """The cached outputs as the trainer's target stage gives them; greedy labels if ``head``."""
+    if head is not None and sample.greedy_labels is None:
+        # Greedy labels exactly as FeatureExtractor derives them, from the cached final states
+        # (once per sample, for the variants with training.labels=target_greedy).
+        sample.greedy_labels = greedy_next_tokens(sample.final_hidden, head, 1024)
+        sample.greedy_labels[:, 0] = sample.input_ids[:, 0]
     return TargetOutputs(features=torch.cat([sample.layers[i] for i in layer_ids], dim=-1),
-                         final_hidden=sample.final_hidden)
+                         final_hidden=sample.final_hidden, target_labels=sample.greedy_labels)
 
 
 @torch.no_grad()
 def evaluate(objective: DFlashObjective, heldout: list[tuple[Cached, torch.Tensor, torch.Tensor]],
-             layer_ids: list[int]) -> list[float]:
+             layer_ids: list[int], head: torch.Tensor | None) -> list[float]:
     """Per-slot agreement with the target's argmax over the held-out samples' fixed anchors."""
     objective.eval()
     correct = count = None
     for sample, anchors, keep in heldout:
-        sums = objective(_batch(sample, anchors, keep), _target(sample, layer_ids), 10**9)
+        sums = objective(_batch(sample, anchors, keep), _target(sample, layer_ids, head), 10**9)
         c, n = sums.correct_per_slot.double(), sums.count_per_slot.double()
         correct = c if correct is None else correct + c
         count = n if count is None else count + n
@@ -129,6 +136,7 @@ def run_variant(cfg: Config, *, target: torch.nn.Module, mask_token_id: int, tra
     embed = target.get_input_embeddings().weight
     head = target.get_output_embeddings().weight
     objective = DFlashObjective.from_config(drafter, embed, head, cfg)
+    label_head = head if cfg.training.labels == "target_greedy" else None
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, cfg.training)
     total = max(checkpoints)
@@ -146,7 +154,7 @@ def run_variant(cfg: Config, *, target: torch.nn.Module, mask_token_id: int, tra
     for step in range(total):
         sample = train[step % len(train)]
         anchors, keep = sample_anchors(sample.loss_mask, cfg.training.num_anchors, block, gen)
-        loss = objective(_batch(sample, anchors, keep), _target(sample, layer_ids), step).mean_loss()
+        loss = objective(_batch(sample, anchors, keep), _target(sample, layer_ids, label_head), step).mean_loss()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.training.grad_clip)
@@ -154,7 +162,7 @@ def run_variant(cfg: Config, *, target: torch.nn.Module, mask_token_id: int, tra
         schedule.step()
         losses.append(float(loss.detach()))
         if step + 1 in checkpoints:
-            curve[step + 1] = evaluate(objective, heldout_batches, layer_ids)
+            curve[step + 1] = evaluate(objective, heldout_batches, layer_ids, label_head)
             print(f"    step {step + 1}: slot-1 {curve[step + 1][0]:.3f}  slot-2 "
                   f"{curve[step + 1][1] if len(curve[step + 1]) > 1 else float('nan'):.3f}  "
                   f"loss {statistics.fmean(losses[-20:]):.3f}  ({time.perf_counter() - start:.0f} s)",
@@ -229,15 +237,16 @@ def main(argv: list[str] | None = None) -> int:
                               heldout=heldout, checkpoints=checkpoints, seed=seed,
                               eval_anchors=args.eval_anchors)
             results.append({"variant": name, "overrides": overrides, **row})
+            if args.out:
+                # After every row: a long screen that is stopped keeps what it measured.
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps({"config": args.config, "checkpoints": checkpoints,
+                                                      "train_samples": args.train_samples,
+                                                      "heldout_samples": args.heldout_samples,
+                                                      "eval_anchors": args.eval_anchors,
+                                                      "results": results}, indent=1))
     print()
     print(format_table(results, checkpoints))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"config": args.config, "checkpoints": checkpoints,
-                                              "train_samples": args.train_samples,
-                                              "heldout_samples": args.heldout_samples,
-                                              "eval_anchors": args.eval_anchors,
-                                              "results": results}, indent=1))
     return 0
 
 

@@ -28,21 +28,22 @@ def test_levers_caches_once_and_measures_each_variant(tmp_path: Path, capsys: py
     for item in common:
         args += ["--set", item]
     variants = ["--variant", "rand:model.drafter_init=random,model.target_layer_ids=[1]",
-                "--variant", "init:model.drafter_init=target,model.target_layer_ids=[1]"]
+                "--variant", "init:model.drafter_init=target,model.target_layer_ids=[1]",
+                "--variant", "greedy:model.target_layer_ids=[1],training.labels=target_greedy,training.loss_slots=1"]
     assert levers.main(args + variants) == 0
     first = capsys.readouterr().out
     assert "cached target outputs of 6 samples, layers [1]" in first
     result = json.loads((tmp_path / "out.json").read_text())
     rows = {r["variant"]: r for r in result["results"]}
-    assert set(rows) == {"rand", "init"}
-    for row in rows.values():
+    assert set(rows) == {"rand", "init", "greedy"}
+    for name, row in rows.items():
         assert set(row["agreement"]) == {"2", "4"}
-        assert len(row["agreement"]["4"]) == 3  # slots 1..loss_slots
+        assert len(row["agreement"]["4"]) == (1 if name == "greedy" else 3)  # slots 1..loss_slots
         assert all(0.0 <= a <= 1.0 for a in row["agreement"]["4"])
     assert levers.main(["--markdown", str(tmp_path / "out.json")]) == 0
     table = capsys.readouterr().out
     assert table.splitlines()[0].startswith("| variant | overrides | seeds | slot-1 @ 2 | slot-1 @ 4 |")
-    assert [line.split(" | ")[0] for line in table.splitlines()[2:]] == ["| rand", "| init"]
+    assert [line.split(" | ")[0] for line in table.splitlines()[2:]] == ["| rand", "| init", "| greedy"]
     # Same data, a layer the cache lacks: the cache is rebuilt with both layers, then reused.
     more = args[:-2] + ["--variant", "late:model.target_layer_ids=[2]"]
     assert levers.main(more) == 0

@@ -115,7 +115,7 @@ def test_grad_accum_steps_once_per_two_micro_batches(setup, tmp_path):
 
 
 def test_the_demo_config_trains_with_its_own_settings(setup, tmp_path):
-    """configs/demo-cpu.yaml as it is (KL labels, loss on 3 slots, constant LR after a
+    """configs/demo-cpu.yaml as it is (KL labels, loss on slot 1 only, constant LR after a
     10-step warmup), on the tiny target and data."""
     args = [f"model.target={setup['target']}", f"data.paths=[{setup['data']}]",
             f"run_dir={tmp_path / 'run'}", f"data.cache_dir={setup['cache']}",
@@ -125,7 +125,7 @@ def test_the_demo_config_trains_with_its_own_settings(setup, tmp_path):
             "logging.tensorboard=false", "logging.every_steps=1"]
     cfg = load_config(REPO / "configs" / "demo-cpu.yaml", args)
     assert (cfg.training.labels, cfg.training.loss_slots, cfg.training.schedule) == (
-        "kl", 3, "constant")
+        "kl", 1, "constant")
     trainer = Trainer(cfg)
     try:
         trainer.train()
@@ -136,7 +136,7 @@ def test_the_demo_config_trains_with_its_own_settings(setup, tmp_path):
     train = [r for r in records if "train/loss" in r]
     assert [r["step"] for r in train] == list(range(1, 13))
     slots = {k for r in train for k in r if k.startswith("train/acc_pos/")}
-    assert slots == {"train/acc_pos/1", "train/acc_pos/2", "train/acc_pos/3"}
+    assert slots == {"train/acc_pos/1"}
     lrs = [r["train/lr"] for r in train]
     assert lrs[9:] == [cfg.training.lr] * 3 and lrs[0] < cfg.training.lr  # warmup, then flat
     assert all(0 <= r["train/loss"] < 1e3 for r in train)
