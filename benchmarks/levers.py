@@ -105,8 +105,7 @@ def _target(sample: Cached, layer_ids: list[int], head: torch.Tensor | None) -> 
     if head is not None and sample.greedy_labels is None:
         # Greedy labels exactly as FeatureExtractor derives them, from the cached final states
         # (once per sample, for the variants with training.labels=target_greedy).
-        sample.greedy_labels = greedy_next_tokens(sample.final_hidden, head, 1024)
-        sample.greedy_labels[:, 0] = sample.input_ids[:, 0]
+        sample.greedy_labels = greedy_next_tokens(sample.final_hidden, head, sample.input_ids, 1024)
     return TargetOutputs(features=torch.cat([sample.layers[i] for i in layer_ids], dim=-1),
                          final_hidden=sample.final_hidden, target_labels=sample.greedy_labels)
 

@@ -155,8 +155,7 @@ class FeatureExtractor:
             captured, self._local.captured = self._local.captured, None
         features = torch.cat([captured[i] for i in self.layer_ids], dim=-1)
         if self.labels == "target_greedy":
-            labels = greedy_next_tokens(final_hidden, self.head_weight, self.label_chunk_size)
-            labels[:, 0] = input_ids[:, 0]
+            labels = greedy_next_tokens(final_hidden, self.head_weight, input_ids, self.label_chunk_size)
             return TargetOutputs(features=features, target_labels=labels)
         if self.labels == "kl":
             return TargetOutputs(features=features, final_hidden=final_hidden)
@@ -169,8 +168,10 @@ class FeatureExtractor:
         self._handles = []
 
 
-def greedy_next_tokens(final_hidden: torch.Tensor, head_weight: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """``out[:, p] = argmax(head @ final_hidden[:, p - 1])`` for p >= 1 (``out[:, 0]`` is 0).
+def greedy_next_tokens(final_hidden: torch.Tensor, head_weight: torch.Tensor, input_ids: torch.Tensor,
+                       chunk_size: int) -> torch.Tensor:
+    """``out[:, p] = argmax(head @ final_hidden[:, p - 1])`` for p >= 1; ``out[:, 0] = input_ids[:, 0]``
+    (no position predicts the first token, and it is never a label).
 
     The target's logits at position p predict token p + 1, so the greedy label of position p
     comes from position p - 1. Costs one LM-head matmul per position (as the target's own
@@ -182,7 +183,8 @@ def greedy_next_tokens(final_hidden: torch.Tensor, head_weight: torch.Tensor, ch
     for start in range(0, batch * seq, chunk_size):
         preds[start:start + chunk_size] = (flat[start:start + chunk_size] @ head_weight.T).argmax(dim=-1)
     preds = preds.view(batch, seq)
-    labels = torch.zeros_like(preds)
+    labels = torch.empty_like(preds)
+    labels[:, 0] = input_ids[:, 0]
     labels[:, 1:] = preds[:, :-1]
     return labels
 
