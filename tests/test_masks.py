@@ -189,3 +189,56 @@ def test_blockwise_attention_equals_the_dense_mask_forward_and_backward(layout):
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
     for blockwise, dense in zip(grads[1], grads[0], strict=True):
         torch.testing.assert_close(blockwise, dense, atol=1e-5, rtol=1e-4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(layouts(), st.integers(1, BLOCK - 1), st.sampled_from(["dense", "blockwise"]))
+def test_output_slots_equal_the_same_rows_of_the_full_forward_and_backward(layout, slots, kind):
+    """``output_slots=K`` (the last layer computes slots 1..K only) changes nothing for those
+    rows: outputs and every parameter gradient equal the full forward's, two layers deep."""
+    anchors, keep, context_len = (torch.tensor(layout[0]), torch.tensor(layout[1]), layout[2])
+    drafter = make_drafter()
+    batch, num = anchors.shape
+    ids = torch.randint(0, V, (batch, context_len))
+    embed = torch.randn(V, H)
+    features = torch.randn(batch, context_len, 2 * H)
+    noise, block_pos = build_block_inputs(ids, anchors, keep, 5, BLOCK)
+    mask = (dense_block_mask(anchors, keep, context_len, BLOCK) if kind == "dense"
+            else BlockLayout(anchors, keep, context_len, BLOCK))
+    weight = torch.linspace(-1, 1, batch * num * slots * H).view(batch, num * slots, H)
+    outputs, grads = [], []
+    for output_slots in (None, slots):
+        drafter.zero_grad()
+        out = drafter(position_ids(block_pos, context_len), embed[noise], features, attention_mask=mask,
+                      output_slots=output_slots)
+        if output_slots is None:
+            out = out.view(batch, num, BLOCK, H)[:, :, 1:slots + 1].reshape(batch, num * slots, H)
+        (out * weight).sum().backward()
+        outputs.append(out.detach())
+        grads.append([p.grad.clone() for p in drafter.parameters()])
+    assert outputs[1].shape == (batch, num * slots, H)
+    torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
+    for selected, full in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(selected, full, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_output_slots_on_a_flex_mask_equal_the_full_forward_on_cpu():
+    drafter = make_drafter()
+    ids = torch.randint(0, V, (2, 40))
+    features = torch.randn(2, 40, 2 * H)
+    embed = torch.randn(V, H)
+    anchors = torch.tensor([[1, 3, 8, 20, 30, 38], [0, 7, 9, 11, 0, 0]])
+    keep = torch.tensor([[True] * 6, [True, True, True, True, False, False]])
+    noise, block_pos = build_block_inputs(ids, anchors, keep, 5, BLOCK)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # uncompiled flex on CPU warns that it is slow
+        mask = flex_block_mask(anchors, keep, 40, BLOCK)
+        full = drafter(position_ids(block_pos, 40), embed[noise], features, attention_mask=mask)
+        selected = drafter(position_ids(block_pos, 40), embed[noise], features, attention_mask=mask,
+                           output_slots=2)
+        with pytest.raises(ValueError, match="output_slots must be in 1..3"):
+            drafter(position_ids(block_pos, 40), embed[noise], features, attention_mask=mask,
+                    output_slots=BLOCK)
+    torch.testing.assert_close(selected, full.view(2, 6, BLOCK, H)[:, :, 1:3].reshape(2, 12, H),
+                               atol=1e-5, rtol=1e-5)

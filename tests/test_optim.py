@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dflash_trainer.config import load_config
+from dflash_trainer.errors import ConfigError
 from dflash_trainer.optim import LRSchedule, build_optimizer, lr_at
 
 
@@ -48,6 +49,18 @@ def test_warmup_steps_replace_the_ratio():
     assert lrs[0] == pytest.approx(3e-4) and lrs[9] == pytest.approx(3e-3) and lrs[11] == pytest.approx(3e-3)
     none = load_config(None, ["training.warmup_steps=0"]).training
     assert lr_at(0, total_steps=100, cfg=none) == pytest.approx(none.lr)
+
+
+def test_wsd_holds_the_lr_then_decays_over_the_last_fraction():
+    cfg = load_config(None, ["training.warmup_steps=10", "training.schedule=wsd", "training.lr=1e-3",
+                             "training.decay_ratio=0.2"]).training
+    lrs = [lr_at(s, total_steps=110, cfg=cfg) for s in range(110)]
+    # 100 steps after warmup: the last 20 decay linearly to min_lr (0), the rest hold lr.
+    assert lrs[9] == pytest.approx(1e-3) and all(lr == pytest.approx(1e-3) for lr in lrs[10:91])
+    assert lrs[100] == pytest.approx(1e-3 * 0.5) and lrs[109] == pytest.approx(1e-3 / 20)
+    assert all(a > b for a, b in zip(lrs[90:], lrs[91:]))
+    with pytest.raises(ConfigError, match="training.decay_ratio must be in"):
+        load_config(None, ["training.decay_ratio=0"])
 
 
 def test_schedule_state_round_trip():

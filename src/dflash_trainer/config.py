@@ -115,8 +115,11 @@ class TrainingConfig:
     warmup_steps: int | None = None
     """Linear warmup over this many optimizer steps (replaces ``warmup_ratio``): for runs
     bounded by ``max_time_s``, whose planned step count says nothing about their length."""
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
-    """Decay after warmup, down to ``min_lr``."""
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    """Decay after warmup, down to ``min_lr``; ``wsd`` (warmup-stable-decay) holds ``lr`` and
+    decays linearly over the last ``decay_ratio`` of the steps only."""
+    decay_ratio: float = 0.2
+    """``schedule: wsd``: the final fraction of the optimizer steps over which lr decays."""
     min_lr: float = 0.0
     grad_clip: float = 1.0
     """Global L2 gradient norm clip; its return value is logged as train/grad_norm."""
@@ -263,6 +266,7 @@ def validate(cfg: Config) -> None:
         (cfg.training.warmup_steps is None or cfg.training.warmup_steps >= 0,
          "training.warmup_steps must be >= 0"),
         (cfg.training.min_lr <= cfg.training.lr, "training.min_lr must be <= training.lr"),
+        (0 < cfg.training.decay_ratio <= 1, "training.decay_ratio must be in (0, 1]"),
         (cfg.training.grad_clip > 0, "training.grad_clip must be > 0"),
         (cfg.training.grad_accum >= 1, "training.grad_accum must be >= 1"),
         (cfg.training.num_anchors >= 1, "training.num_anchors must be >= 1"),

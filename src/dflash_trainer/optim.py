@@ -32,8 +32,11 @@ def lr_at(step: int, *, total_steps: int, cfg: TrainingConfig) -> float:
     if cfg.schedule == "constant":
         return cfg.lr
     decay_steps = max(1, total_steps - warmup)
-    progress = min(1.0, (step - warmup) / decay_steps)
-    if cfg.schedule == "linear":
+    if cfg.schedule == "wsd":
+        decay_steps = max(1, round(cfg.decay_ratio * decay_steps))
+        warmup = max(warmup, total_steps - decay_steps)
+    progress = min(1.0, max(0.0, (step - warmup) / decay_steps))
+    if cfg.schedule in ("linear", "wsd"):
         factor = 1.0 - progress
     else:
         factor = 0.5 * (1.0 + math.cos(math.pi * progress))

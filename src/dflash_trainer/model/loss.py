@@ -149,7 +149,8 @@ def dflash_loss(block_hidden: torch.Tensor, head_weight: torch.Tensor, labels: t
     """Decay-weighted loss over block slots 1..K (K <= B-1) and the metric sums of the same pass.
 
     Args:
-        block_hidden: ``[B, N*Bk, H]`` drafter output for N blocks of Bk slots.
+        block_hidden: ``[B, N*Bk, H]`` drafter output for N blocks of Bk slots, or
+            ``[B, N*K, H]`` for slots 1..K only (the drafter's ``output_slots=K``).
         head_weight: frozen target LM head ``[V, H]``.
         labels, weights: ``[B, N, K]`` for slots 1..K, from
             :func:`~dflash_trainer.model.blocks.labels_and_weights` (K = Bk-1, or fewer to
@@ -163,8 +164,10 @@ def dflash_loss(block_hidden: torch.Tensor, head_weight: torch.Tensor, labels: t
         :class:`LossSums`; the top-1 predictions come from the loss chunks already in memory.
     """
     batch, num, slots = labels.shape
-    block = block_hidden.shape[1] // num
-    hidden = block_hidden.view(batch, num, block, -1)[:, :, 1:slots + 1].reshape(batch * num * slots, -1)
+    rows = block_hidden.shape[1] // num
+    # K < Bk, so K rows per block are the selected slots and Bk rows a whole block.
+    first = 0 if rows == slots else 1
+    hidden = block_hidden.view(batch, num, rows, -1)[:, :, first:first + slots].reshape(batch * num * slots, -1)
     soft = None if soft_hidden is None else soft_hidden.reshape(batch * num * slots, -1)
     total, correct = chunked_head_loss(hidden, head_weight, labels.reshape(-1), weights.reshape(-1),
                                        chunk_size, soft)

@@ -124,7 +124,7 @@ class DFlashObjective(nn.Module):
             context = context + torch.randn_like(context) * scale
         hidden = self.drafter(position_ids(block_positions, context_len),
                               F.embedding(noise_ids, self.embed_weight).to(dtype), context,
-                              attention_mask=mask)
+                              attention_mask=mask, output_slots=slots)
         soft_hidden = None
         if self.labels == "kl":
             final_hidden = _required(target.final_hidden, "final_hidden")

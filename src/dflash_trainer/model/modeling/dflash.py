@@ -123,15 +123,18 @@ def _blockwise(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layo
                scale: float) -> torch.Tensor:
     batch, heads, q_len, dim = query.shape
     kv_heads, ctx, size = key.shape[1], layout.context_len, layout.block_size
-    groups, num = heads // kv_heads, q_len // size
+    # Queries may be a subset of each block's slots (output_slots): `rows` per block, while
+    # the keys are always the whole blocks.
+    groups, num = heads // kv_heads, layout.anchors.shape[1]
+    rows = q_len // num
     # The scale goes on the [Q, D] queries, not on the [Q, ctx + B] scores.
     query = query * scale
     # GQA without repeating K/V: query head h uses K/V head h // groups.
     q = query.reshape(batch, kv_heads, groups * q_len, dim)
-    ctx_scores = torch.matmul(q, key[:, :, :ctx].transpose(-1, -2)).view(batch, kv_heads, groups, num, size, ctx)
+    ctx_scores = torch.matmul(q, key[:, :, :ctx].transpose(-1, -2)).view(batch, kv_heads, groups, num, rows, ctx)
     unseen = torch.arange(ctx, device=query.device)[None, None, :] >= layout.anchors[:, :, None]
     ctx_scores = ctx_scores.masked_fill(unseen[:, None, None, :, None, :], float("-inf"))
-    q_blocks = query.view(batch, kv_heads, groups, num, size, dim)
+    q_blocks = query.view(batch, kv_heads, groups, num, rows, dim)
     k_blocks = key[:, :, ctx:].reshape(batch, kv_heads, 1, num, size, dim)
     v_blocks = value[:, :, ctx:].reshape(batch, kv_heads, 1, num, size, dim)
     own_scores = torch.matmul(q_blocks, k_blocks.transpose(-1, -2))
@@ -141,7 +144,7 @@ def _blockwise(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layo
     probs = torch.softmax(torch.cat([ctx_scores, own_scores], dim=-1), dim=-1)
     ctx_probs, own_probs = probs.split([ctx, size], dim=-1)
     from_ctx = torch.matmul(ctx_probs.reshape(batch, kv_heads, groups * q_len, ctx), value[:, :, :ctx])
-    out = from_ctx.view(batch, kv_heads, groups, num, size, dim) + torch.matmul(own_probs, v_blocks)
+    out = from_ctx.view(batch, kv_heads, groups, num, rows, dim) + torch.matmul(own_probs, v_blocks)
     out = out * layout.keep[:, None, None, :, None, None].to(out.dtype)
     return out.view(batch, heads, q_len, dim)
 
@@ -160,6 +163,11 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: An
                                           enable_gqa=query.shape[1] != key.shape[1])
 
 
+def block_slots(x: torch.Tensor, dim: int, block_size: int, slots: int) -> torch.Tensor:
+    """Slots ``1..slots`` of every block along ``dim`` (of length ``N * block_size``)."""
+    return x.unflatten(dim, (-1, block_size)).narrow(dim + 1, 1, slots).flatten(dim, dim + 1)
+
+
 class DFlashAttention(nn.Module):
     """Qwen3 attention whose keys/values are ``[projected context | block]``; queries are the block."""
 
@@ -169,6 +177,7 @@ class DFlashAttention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.scaling = self.head_dim ** -0.5
+        self.block_size = int(dflash_value(config, "block_size", 16))
         bias = config.attention_bias
         self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=bias)
@@ -179,16 +188,28 @@ class DFlashAttention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, context: torch.Tensor,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: Any,
-                past_key_values: Any = None) -> torch.Tensor:
-        batch, q_len, _ = hidden_states.shape
+                past_key_values: Any = None, query_slots: int | None = None) -> torch.Tensor:
+        batch = hidden_states.shape[0]
         ctx_len = context.shape[1]
         cos, sin = (t.unsqueeze(1) for t in position_embeddings)
+        q_cos, q_sin = cos[..., ctx_len:, :], sin[..., ctx_len:, :]
+        queries = hidden_states
+        # A dense mask is sliced like the queries; a FlexAttention BlockMask is built for whole
+        # blocks, so with one the rows are selected after attention (o_proj and MLP still run
+        # on them only).
+        select_late = query_slots is not None and BlockMask is not None and isinstance(attention_mask, BlockMask)
+        if query_slots is not None and not select_late:
+            size = self.block_size
+            queries = block_slots(hidden_states, 1, size, query_slots)
+            q_cos, q_sin = block_slots(q_cos, 2, size, query_slots), block_slots(q_sin, 2, size, query_slots)
+            if isinstance(attention_mask, torch.Tensor):
+                attention_mask = block_slots(attention_mask, 2, size, query_slots)
 
         def heads(x: torch.Tensor) -> torch.Tensor:
             return x.view(batch, x.shape[1], -1, self.head_dim)
 
-        query = self.q_norm(heads(self.q_proj(hidden_states))).transpose(1, 2)
-        query = query * cos[..., ctx_len:, :] + rotate_half(query) * sin[..., ctx_len:, :]
+        query = self.q_norm(heads(self.q_proj(queries))).transpose(1, 2)
+        query = query * q_cos + rotate_half(query) * q_sin
         key = self.k_norm(heads(torch.cat([self.k_proj(context), self.k_proj(hidden_states)], 1)))
         key = key.transpose(1, 2)
         key = key * cos + rotate_half(key) * sin
@@ -202,7 +223,10 @@ class DFlashAttention(nn.Module):
         # Under autocast the fp32 norm weights promote q/k to fp32 while v stays low precision.
         query, key = query.to(value.dtype), key.to(value.dtype)
         out = attend(query, key, value, attention_mask, self.scaling, self.config._attn_implementation)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, q_len, -1))
+        out = out.transpose(1, 2).reshape(batch, query.shape[2], -1)
+        if select_late:
+            out = block_slots(out, 1, self.block_size, query_slots)
+        return self.o_proj(out)
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -217,9 +241,17 @@ class DFlashDecoderLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, context: torch.Tensor,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: Any,
-                row_visible: torch.Tensor | None, past_key_values: Any = None) -> torch.Tensor:
+                row_visible: torch.Tensor | None, past_key_values: Any = None,
+                query_slots: int | None = None) -> torch.Tensor:
+        """The layer's output for every block row, or with ``query_slots=K`` for block slots
+        1..K only (keys and values still come from every row)."""
         attn = self.self_attn(self.input_layernorm(hidden_states), context, position_embeddings,
-                              attention_mask, past_key_values)
+                              attention_mask, past_key_values, query_slots)
+        if query_slots is not None:
+            size = self.self_attn.block_size
+            hidden_states = block_slots(hidden_states, 1, size, query_slots)
+            if row_visible is not None:
+                row_visible = block_slots(row_visible, 1, size, query_slots)
         if row_visible is not None:
             attn = attn * row_visible
         hidden_states = hidden_states + attn
@@ -277,7 +309,7 @@ class DFlashDraftModel(PreTrainedModel):
 
     def forward(self, position_ids: torch.LongTensor, noise_embedding: torch.Tensor,
                 target_hidden: torch.Tensor, attention_mask: Any = None, past_key_values: Any = None,
-                use_cache: bool = False) -> torch.Tensor:
+                use_cache: bool = False, output_slots: int | None = None) -> torch.Tensor:
         """Drafter hidden states (after the final norm) for the block tokens.
 
         Args:
@@ -290,11 +322,17 @@ class DFlashDraftModel(PreTrainedModel):
             past_key_values: a transformers ``Cache`` holding context K/V of earlier calls; the
                 new context K/V are appended, block K/V are never stored.
             use_cache: accepted for z-lab compatibility; caching happens iff a cache is passed.
+            output_slots: training with a loss on block slots 1..K only: return just those rows
+                (``[B, N*K, H]`` for N blocks). The last layer then computes queries, attention
+                output and MLP for them alone; every row still gives keys and values, so the
+                result equals the same rows of the full output.
 
         Returns:
-            ``[B, Q, H]``; apply the target's LM head outside.
+            ``[B, Q, H]`` (or ``[B, N*K, H]`` with ``output_slots``); apply the target's LM head outside.
         """
         del use_cache
+        if output_slots is not None and not 1 <= output_slots < self.block_size:
+            raise ValueError(f"output_slots must be in 1..{self.block_size - 1}, got {output_slots}")
         context = self.hidden_norm(self.fc(target_hidden))
         position_embeddings = self.rotary_emb(noise_embedding, position_ids)
         row_visible = None
@@ -307,9 +345,10 @@ class DFlashDraftModel(PreTrainedModel):
             attention_mask = attention_mask | ~visible
             row_visible = visible[:, 0].to(noise_embedding.dtype)
         hidden_states = noise_embedding
-        for layer in self.layers:
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
             hidden_states = layer(hidden_states, context, position_embeddings, attention_mask,
-                                  row_visible, past_key_values)
+                                  row_visible, past_key_values, output_slots if i == last else None)
         return self.norm(hidden_states)
 
     def compute_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
@@ -434,4 +473,5 @@ def _crop_to(cache: Any, length: int) -> None:
         cache.crop(-excess)
 
 
-__all__ = ["BlockLayout", "DFlashDraftModel", "build_target_layer_ids", "extract_context_feature", "dflash_value"]
+__all__ = ["BlockLayout", "DFlashDraftModel", "block_slots", "build_target_layer_ids", "extract_context_feature",
+           "dflash_value"]
