@@ -23,6 +23,7 @@ import gpu_check  # noqa: E402
 from dflash_trainer.model.blocks import dense_block_mask, sample_anchors  # noqa: E402
 from dflash_trainer.model.objective import DFlashObjective  # noqa: E402
 from dflash_trainer.model.target import FeatureExtractor  # noqa: E402
+from dflash_trainer.model.modeling.dflash import block_slots  # noqa: E402
 from helpers_objective import run_objective  # noqa: E402
 
 
@@ -106,11 +107,13 @@ def test_step_flops_linear_terms_match_the_flop_counter():
     linear = flops["target_linear"] + flops["drafter_linear"] + flops["lm_head"]
     assert sum(counted.values()) == linear
 
-    # Attention: the entries the dense mask allows, 2 matmuls forward, 4 backward.
-    allowed = float(dense_block_mask(anchors, keep, geom.seq_len, geom.block_size).sum())
+    # Attention: the entries the dense mask allows, 2 matmuls forward, 4 backward; the last
+    # layer has queries for the supervised slots 1..B-1 only.
+    mask = dense_block_mask(anchors, keep, geom.seq_len, geom.block_size)
+    last = block_slots(mask, 2, geom.block_size, geom.block_size - 1)
+    allowed = (geom.drafter_layers - 1) * float(mask.sum()) + float(last.sum())
     q_dim = geom.heads * geom.head_dim
-    assert math.isclose(flops["drafter_attention"],
-                        3 * geom.drafter_layers * 2 * 2 * q_dim * allowed, rel_tol=1e-9)
+    assert math.isclose(flops["drafter_attention"], 3 * 2 * 2 * q_dim * allowed, rel_tol=1e-9)
 
 
 @pytest.mark.slow

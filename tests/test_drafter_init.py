@@ -59,6 +59,25 @@ def test_layers_and_norms_are_copies_of_the_next_target_layers():
     assert torch.equal(drafter.norm.weight, target.model.norm.weight * FINAL_NORM_SCALE)
 
 
+def test_a_wider_mlp_starts_as_the_target_layer_and_its_extra_units_can_learn():
+    target = qwen3()
+    narrow, _ = drafter_for(target, [1])
+    cfg = ModelConfig(num_layers=1, block_size=4, target_layer_ids=[1], drafter_init="target",
+                      intermediate_size=3 * SIZES["intermediate_size"])
+    wide = build_drafter(cfg, target.config, mask_token_id=3).eval()
+    copied = initialise_drafter(wide, target, cfg)
+    assert "layers.0.mlp.down_proj.weight (first 128 of 384 units)" in copied
+    mlp, theirs = wide.layers[0].mlp, target.model.layers[2].mlp
+    assert torch.equal(mlp.gate_proj.weight[:128], theirs.gate_proj.weight)
+    assert torch.equal(mlp.down_proj.weight[:, :128], theirs.down_proj.weight)
+    assert not mlp.down_proj.weight[:, 128:].any() and mlp.up_proj.weight[128:].abs().sum() > 0
+    x = torch.randn(2, 5, SIZES["hidden_size"])
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), narrow.layers[0].mlp(x))
+    mlp(x).square().sum().backward()
+    assert mlp.down_proj.weight.grad[:, 128:].abs().sum() > 0  # the extra units are not dead
+
+
 def test_fc_selects_the_last_tapped_layer():
     target = llama()
     drafter, _ = drafter_for(target, [1, 0])  # list order, not layer order: layer 1 is the first block

@@ -4,8 +4,10 @@ Matmuls only, no recomputation. Target: causal forward of the layers it actually
 (attention: half the S x S scores), plus its LM head over all positions when the labels
 need the target's logits. Drafter: forward + backward (backward = 2x forward) of the context
 K/V projections over the S context tokens, the block-token projections and MLP over the N*B
-block tokens, and the attention entries the mask allows (each block sees ``anchor`` context
-keys and its own B keys); ``fc`` gets only a weight gradient (the features need none). LM
+block tokens (in the last layer only the N*K supervised slots get queries, attention output
+and MLP, and only the N*B block tokens' keys and values), and the attention entries the mask
+allows (each block sees ``anchor`` context keys and its own B keys); ``fc`` gets only a
+weight gradient (the features need none). LM
 head: logits and the hidden-state gradient over the N*K supervised slots (the head is
 frozen; K = B-1 or ``training.loss_slots``), plus the target's logits of those slots for KL
 labels. Dropped blocks count as real ones: they cost the same.
@@ -58,17 +60,19 @@ def step_flops(*, target: LayerDims, target_layers_run: int, target_head: bool,
     t_q_dim = target.heads * target.head_dim
     d_q_dim, d_kv_dim = drafter.heads * drafter.head_dim, drafter.kv_heads * drafter.head_dim
     fc_fwd = 2 * s * num_features * target.hidden * drafter.hidden
+    slots = shape.supervised_slots or shape.block_size - 1
     block_proj = 2 * (2 * d_q_dim * drafter.hidden + 3 * drafter.hidden * drafter.intermediate)
-    layer_fwd = q_tok * block_proj + 2 * (s + q_tok) * 2 * d_kv_dim * drafter.hidden
+    # Rows that get queries, attention output and MLP: every block token in all but the last
+    # layer, the supervised slots in the last (the drafter's output_slots).
+    query_rows = (drafter_layers - 1) * q_tok + shape.num_anchors * slots
+    layers_fwd = query_rows * block_proj + drafter_layers * 2 * (s + q_tok) * 2 * d_kv_dim * drafter.hidden
     per_row = {
         "target_linear": target_layers_run * s * target.proj_flops_per_token,
         "target_attention": target_layers_run * 2 * s * s * t_q_dim,
         "target_head": (2 * s * target.hidden * vocab) if target_head else 0,
-        "drafter_linear": 2 * fc_fwd + 3 * drafter_layers * layer_fwd,
-        "drafter_attention": (3 * drafter_layers * 4 * q_tok
-                              * (shape.mean_anchor + shape.block_size) * d_q_dim),
-        "lm_head": ((6 if shape.soft_labels else 4) * shape.num_anchors
-                    * (shape.supervised_slots or shape.block_size - 1) * drafter.hidden * vocab),
+        "drafter_linear": 2 * fc_fwd + 3 * layers_fwd,
+        "drafter_attention": 3 * 4 * query_rows * (shape.mean_anchor + shape.block_size) * d_q_dim,
+        "lm_head": (6 if shape.soft_labels else 4) * shape.num_anchors * slots * drafter.hidden * vocab,
     }
     out = {k: float(v * shape.rows) for k, v in per_row.items()}
     out["total"] = sum(out.values())

@@ -161,15 +161,31 @@ def init_from_target(drafter: DFlashDraftModel, target_model: nn.Module) -> list
     return copied
 
 
+_WIDENED_MLP = {"mlp.gate_proj.weight": 0, "mlp.up_proj.weight": 0, "mlp.down_proj.weight": 1}
+"""MLP weights and their intermediate-size axis, for a drafter MLP wider than the target's."""
+
+
 def _copy_matching(dest: nn.Module, source: nn.Module, prefix: str, copied: list[str],
                    skipped: list[str]) -> None:
-    """Copy ``source``'s parameters into ``dest``'s of the same name and shape."""
+    """Copy ``source``'s parameters into ``dest``'s of the same name and shape.
+
+    A wider MLP (``model.intermediate_size`` above the target's) takes the target's units as
+    its first ones; the extra units keep their fresh input weights and get zero output
+    weights, so the layer starts as the target's exactly and the extra units still learn.
+    """
     available = dict(source.named_parameters())
     for name, param in dest.named_parameters():
         origin = available.get(name)
+        axis = _WIDENED_MLP.get(name)
         if origin is not None and origin.shape == param.shape:
             param.copy_(origin.to(param.dtype))
             copied.append(prefix + name)
+        elif (origin is not None and axis is not None and origin.dim() == param.dim()
+              and origin.shape[1 - axis] == param.shape[1 - axis] and origin.shape[axis] < param.shape[axis]):
+            if axis == 1:
+                param.zero_()
+            param.narrow(axis, 0, origin.shape[axis]).copy_(origin.to(param.dtype))
+            copied.append(f"{prefix}{name} (first {origin.shape[axis]} of {param.shape[axis]} units)")
         else:
             skipped.append(prefix + name)
 
