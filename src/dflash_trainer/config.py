@@ -93,7 +93,9 @@ class ModelConfig:
     weight on other tapped layers), ``hidden_norm`` is layer L+1's input norm, drafter layer i
     a copy of target layer L+1+i, the final ``norm`` the target's final norm scaled by 0.2 (same
     argmax, less confident first predictions); so the first drafter layer's keys/values over
-    the context are layer L+1's. Excludes ``init_from_target``."""
+    the context are layer L+1's; a wider MLP (``intermediate_size`` above the target's) gets
+    the target's units first and zero output weights on the extra ones. Excludes
+    ``init_from_target``."""
 
 
 @dataclass(kw_only=True)
