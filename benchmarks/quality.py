@@ -379,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
             import shutil
 
             shutil.rmtree(run_dir)
-        forced = [f"run_dir={run_dir}", f"training.max_time_s={args.budget_s}",
+        # Repo-relative (the worker runs in REPO) so result files name no path of this machine.
+        shown = run_dir.relative_to(REPO) if run_dir.is_relative_to(REPO) else run_dir
+        forced = [f"run_dir={shown}", f"training.max_time_s={args.budget_s}",
                   f"pipeline.num_threads={args.threads}", "eval.every_steps=null",
                   "logging.console=false", "logging.tensorboard=false", "logging.wandb=disabled"]
         all_overrides = common + overrides + forced

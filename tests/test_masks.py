@@ -132,14 +132,21 @@ def test_eager_with_additive_mask_equals_sdpa():
     torch.testing.assert_close(eager, sdpa, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.slow
-def test_flex_forward_equals_sdpa_forward_on_cpu():
+def flex_case():
+    """Drafter and inputs of the CPU flex tests: two rows of 40 tokens, a block past the end,
+    dropped blocks."""
     drafter = make_drafter()
     ids = torch.randint(0, V, (2, 40))
     features = torch.randn(2, 40, 2 * H)
     embed = torch.randn(V, H)
     anchors = torch.tensor([[1, 3, 8, 20, 30, 38], [0, 7, 9, 11, 0, 0]])  # 38: past the end
     keep = torch.tensor([[True] * 6, [True, True, True, True, False, False]])
+    return drafter, ids, features, embed, anchors, keep
+
+
+@pytest.mark.slow
+def test_flex_forward_equals_sdpa_forward_on_cpu():
+    drafter, ids, features, embed, anchors, keep = flex_case()
     sdpa = block_hidden(drafter, ids, features, anchors, keep, embed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # uncompiled flex on CPU warns that it is slow
@@ -224,12 +231,7 @@ def test_output_slots_equal_the_same_rows_of_the_full_forward_and_backward(layou
 
 @pytest.mark.slow
 def test_output_slots_on_a_flex_mask_equal_the_full_forward_on_cpu():
-    drafter = make_drafter()
-    ids = torch.randint(0, V, (2, 40))
-    features = torch.randn(2, 40, 2 * H)
-    embed = torch.randn(V, H)
-    anchors = torch.tensor([[1, 3, 8, 20, 30, 38], [0, 7, 9, 11, 0, 0]])
-    keep = torch.tensor([[True] * 6, [True, True, True, True, False, False]])
+    drafter, ids, features, embed, anchors, keep = flex_case()
     noise, block_pos = build_block_inputs(ids, anchors, keep, 5, BLOCK)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # uncompiled flex on CPU warns that it is slow
