@@ -57,6 +57,15 @@ def test_openai_text_content_parts_are_joined(tmp_path):
     assert _read(path)[0].messages == [{"role": "user", "content": "Hel\nlo"}]
 
 
+def test_truncated_mark_of_an_answer_is_kept(tmp_path):
+    cut = [*CHAT[:2], {"role": "assistant", "content": "Hel", "truncated": True}]
+    whole = [*CHAT[:2], {"role": "assistant", "content": "Hello", "truncated": False}]
+    path = _write_jsonl(tmp_path / "t.jsonl", [{"messages": cut}, {"messages": whole}])
+    first, second = _read(path)
+    assert first.messages == cut
+    assert second.messages == CHAT[:2] + [{"role": "assistant", "content": "Hello"}]
+
+
 def test_pretokenized_records(tmp_path):
     path = _write_jsonl(tmp_path / "t.jsonl", [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}])
     (record,) = _read(path)
@@ -150,6 +159,10 @@ def test_malformed_jsonl_line_names_file_and_line(tmp_path):
     ({"messages": [{"role": "user", "content": None}]}, "content must be a string"),
     ({"messages": "hi"}, "expected a list of messages"),
     ({"text": "hi"}, "none of the fields 'messages'"),
+    ({"messages": [{"role": "assistant", "content": "x", "truncated": "yes"}]},
+     "'truncated' must be true or false"),
+    ({"messages": [{"role": "user", "content": "x", "truncated": True}]},
+     "only assistant messages can be 'truncated'"),
     ({"input_ids": [1, 2]}, "no 'loss_mask'"),
     ({"input_ids": [1, 2], "loss_mask": [1]}, "'input_ids' has 2 tokens but 'loss_mask' 1"),
     ([1, 2], "expected a JSON object"),

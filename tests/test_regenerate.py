@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dflash_trainer.data.regen_backends import (
+    Generation,
     GenerationError,
     OpenAIBackend,
     SamplingParams,
@@ -79,10 +80,25 @@ def greedy_answer(backend: TransformersBackend, messages: list[dict[str, str]]) 
 
 # --- pure logic -------------------------------------------------------------------------------
 
+def _answer(text: str, *, truncated: bool = False) -> Generation:
+    return Generation(text=text, num_tokens=len(text.split()) + 1, truncated=truncated)
+
+
+def test_an_answer_cut_at_max_new_tokens_is_marked_truncated() -> None:
+    job = ConversationJob("x", CONVERSATIONS[1][1])
+    job.answer(_answer("Blue is a calm", truncated=True))
+    # The mark is for training; the next prompt is plain chat messages.
+    assert job.prompt()[-2] == {"role": "assistant", "content": "Blue is a calm"}
+    job.answer(_answer("Calm."))
+    answers = [m for m in job.record()["messages"] if m["role"] == "assistant"]
+    assert answers == [{"role": "assistant", "content": "Blue is a calm", "truncated": True},
+                       {"role": "assistant", "content": "Calm."}]
+
+
 def test_max_turns_answers_only_the_first_turns() -> None:
     job = ConversationJob("x", CONVERSATIONS[1][1], max_turns=1)
     assert job.dropped_turns == 1
-    job.answer("Blue.")
+    job.answer(_answer("Blue."))
     assert job.done and [m["role"] for m in job.record()["messages"]] == ["system", "user", "assistant"]
     # A trailing user turn counts as a turn to answer.
     messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
@@ -95,10 +111,10 @@ def test_max_turns_answers_only_the_first_turns() -> None:
 def test_conversation_job_walks_turns_and_rejects_unanswerable_turns() -> None:
     job = ConversationJob("x", CONVERSATIONS[1][1])
     assert job.prompt() == CONVERSATIONS[1][1][:2]
-    job.answer("Blue.")
+    job.answer(_answer("Blue."))
     assert job.prompt()[-2:] == [{"role": "assistant", "content": "Blue."},
                                  {"role": "user", "content": "Why that one?"}]
-    job.answer("Calm.")
+    job.answer(_answer("Calm."))
     assert job.done and job.turns == 2
     assert [m["role"] for m in job.record()["messages"]] == [
         "system", "user", "assistant", "user", "assistant"]
@@ -152,6 +168,10 @@ def test_transformers_backend_regenerates_every_turn(
     summary = regenerate(CONVERSATIONS, out, local_backend, batch_size=2, progress=False)
     assert (summary.written, summary.failed, summary.turns) == (3, 0, 4)
     records = {r["id"]: r["messages"] for r in read_jsonl(out)}
+    # Answers cut at max_new_tokens (6 tokens here) carry the mark that keeps their end of
+    # turn out of the loss.
+    marked = sum(bool(m.get("truncated")) for messages in records.values() for m in messages)
+    assert marked == summary.truncated_turns > 0
     assert set(records) == {cid for cid, _ in CONVERSATIONS}
     for cid, source in CONVERSATIONS:
         messages = records[cid]
@@ -359,7 +379,10 @@ def test_openai_backend_against_a_real_local_server(
     # Turn 2 was requested with turn 1's regenerated answer in context, not the original.
     multi = records["a.jsonl:2"]
     turn2 = [r for r in chat_server.requests if len(r["messages"]) == 4]
-    assert [r["messages"] for r in turn2] == [multi[:4]]
+    # (the server gets plain chat messages: the truncated mark of a cut answer stays in the file)
+    assert multi[2].get("truncated") == (summary.truncated_turns > 0)
+    assert [r["messages"] for r in turn2] == [[{"role": m["role"], "content": m["content"]}
+                                               for m in multi[:4]]]
     assert all(r["chat_template_kwargs"] == {"enable_thinking": False} and r["top_k"] == -1
                and r["temperature"] == 0.0 and r["max_tokens"] == MAX_NEW
                for r in chat_server.requests)

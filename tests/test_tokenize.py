@@ -48,6 +48,9 @@ QWEN3_LIKE = (
     "{%- if enable_thinking is defined and enable_thinking is false -%}"
     "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}{%- endif -%}"
 )
+SMOL_UPPER = ("{%- for m in messages -%}{{- '<|im_start|>' + m.role + '\\n' + m.content.upper() "
+              "+ '<|im_end|>\\n' -}}{%- endfor -%}"
+              "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
 QWEN3_NO_MARKERS = (QWEN3_LIKE.replace("{% generation %}", "")
                     .replace("{% endgeneration %}", ""))
 
@@ -120,6 +123,49 @@ def test_smollm2_multi_turn_exact_and_equal_to_apply_chat_template(smol):
     ])
     reference = smol.apply_chat_template(conversation.messages, tokenize=True, return_dict=True)
     assert encoded.input_ids.tolist() == list(reference["input_ids"])
+
+
+def test_truncated_answer_leaves_its_end_of_turn_unsupervised(smol):
+    # An answer cut at max_new_tokens: the <|im_end|> the template appends was never the
+    # model's choice, so it is not a label; a complete answer after it keeps its end.
+    conversation = Conversation([
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello there, how", "truncated": True},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Ciao"}], LOC)
+    encoded = _check(smol, _opts(), conversation, [
+        (SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("Hello there, how", 1),
+        ("<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("Ciao<|im_end|>\n", 1),
+    ])
+    assert encoded.cut_answers == 1
+    # The same text without the mark supervises both ends of turn.
+    unmarked = Conversation([{k: v for k, v in m.items() if k != "truncated"}
+                             for m in conversation.messages], LOC)
+    plain = ChatTokenizer(smol, _opts()).encode(unmarked)
+    assert plain.input_ids.tolist() == encoded.input_ids.tolist()
+    assert int(plain.loss_mask.sum()) == int(encoded.loss_mask.sum()) + 2
+    assert plain.cut_answers == 0
+
+
+def test_truncated_answer_with_generation_markers(smol):
+    tok = _with_template(smol, QWEN3_LIKE)
+    conversation = Conversation([
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Ciao bella", "truncated": True}], LOC)
+    _check(tok, _opts(thinking=False), conversation, [
+        ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("Hello<|im_end|>\n", 1),
+        ("<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("<think>\n\n</think>\n\nCiao bella", 1),
+        ("<|im_end|>\n", 0),
+    ])
+    # A template that rewrites the content cannot show where the cut answer stops: refused.
+    shouting = _with_template(smol, SMOL_UPPER)
+    with pytest.raises(TemplateError, match="test.jsonl.*marked truncated"):
+        ChatTokenizer(shouting, _opts()).encode(conversation)
 
 
 def test_last_turn_only_supervises_only_the_last_answer(smol):

@@ -8,7 +8,10 @@ ShareGPT set.
 
 Accepted records: OpenAI ``{"messages": [{"role", "content"}]}``, ShareGPT
 ``{"conversations": [{"from", "value"}]}`` and pre-tokenized ``{"input_ids", "loss_mask"}``.
-Roles are normalised to ``system`` / ``user`` / ``assistant``. Text files may start with a
+Roles are normalised to ``system`` / ``user`` / ``assistant``. An assistant message may carry
+``"truncated": true`` (``dflash-trainer regenerate`` writes it on answers cut at
+``--max-new-tokens``): its text stops where the model had not ended its turn, so the end-of-turn
+tokens the template appends to it are not supervised. Text files may start with a
 UTF-8 byte order mark; a record holding bytes that are not UTF-8 is malformed (file and line
 named, skippable with ``data.on_error=skip``). Tool-use messages (role ``tool``/``function``,
 ``tool_calls``, ``function_call``) are malformed too: see :data:`TOOL_USE_MESSAGE`.
@@ -44,6 +47,8 @@ TOOL_USE_MESSAGE = ("tool-use messages are not supported (role 'tool'/'function'
                     "drop these conversations or use data.on_error=skip (see docs/data.md)")
 CONTENT_PART_SEPARATOR = "\n"
 """Joins the text parts of one OpenAI ``content`` list (as vLLM and SGLang do)."""
+TRUNCATED = "truncated"
+"""Message key marking an assistant answer cut before the model ended its turn."""
 _CHUNK_CHARS = 1 << 20
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _UNDECODABLE = re.compile("[\udc80-\udcff]")
@@ -69,9 +74,10 @@ class Location:
 
 @dataclass(frozen=True)
 class Conversation:
-    """A chat with normalised messages ``{"role": system|user|assistant, "content": str}``."""
+    """A chat with normalised messages ``{"role": system|user|assistant, "content": str}``; an
+    assistant message cut before the model ended its turn also has ``"truncated": True``."""
 
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     location: Location
 
 
@@ -266,7 +272,7 @@ def drop_leading_assistant(messages: list[dict[str, str]]) -> tuple[list[dict[st
     return kept, len(messages) - len(kept)
 
 
-def _messages(turns: Any, role_key: str, content_key: str) -> list[dict[str, str]]:
+def _messages(turns: Any, role_key: str, content_key: str) -> list[dict[str, Any]]:
     if not isinstance(turns, list):
         raise _Malformed(f"expected a list of messages, got {type(turns).__name__}")
     messages = []
@@ -283,7 +289,16 @@ def _messages(turns: Any, role_key: str, content_key: str) -> list[dict[str, str
         if role is None:
             raise _Malformed(f"message {j}: unknown role {turn[role_key]!r}; accepted: "
                              f"{', '.join(ROLE_ALIASES)}")
-        messages.append({"role": role, "content": _content(turn[content_key], j)})
+        message: dict[str, Any] = {"role": role, "content": _content(turn[content_key], j)}
+        cut = turn.get(TRUNCATED, False)
+        if not isinstance(cut, bool):
+            raise _Malformed(f"message {j}: {TRUNCATED!r} must be true or false, got {cut!r}")
+        if cut:
+            if role != "assistant":
+                raise _Malformed(f"message {j}: only assistant messages can be {TRUNCATED!r} "
+                                 f"(this one is {role!r})")
+            message[TRUNCATED] = True
+        messages.append(message)
     return messages
 
 

@@ -92,6 +92,8 @@ class PrepareStats:
     """Kept samples cut to ``data.max_length``."""
     trimmed_leading: int = 0
     """Conversations whose assistant messages before the first user message were removed."""
+    cut_answers: int = 0
+    """Kept answers marked ``truncated`` (cut before the model ended its turn)."""
     total_tokens: int = 0
     supervised_tokens: int = 0
     max_samples_reached: bool = False
@@ -261,6 +263,7 @@ def _tokenize_into(writer: TokenStoreWriter, cfg: Config, sources: list[Source],
             stats.supervised_tokens += int(result.loss_mask.sum())
             stats.truncated += int(result.truncated)
             stats.trimmed_leading += int(result.trimmed_leading > 0)
+            stats.cut_answers += result.cut_answers
         batch.clear()
 
     limit = cfg.data.max_samples
@@ -380,6 +383,8 @@ def format_report(stats: PrepareStats, store: TokenStore, max_length: int) -> st
     lines += [
         f"truncated to {max_length:<8}{stats.truncated:>10,}",
         f"leading assistant turns removed in {stats.trimmed_leading:,} conversations",
+        *([f"answers marked truncated  {stats.cut_answers:>6,}   (their end of turn is not supervised)"]
+          if stats.cut_answers else []),
         f"tokens               {stats.total_tokens:>10,}",
         f"supervised tokens    {stats.supervised_tokens:>10,}"
         + (f"   ({100 * stats.supervised_tokens / stats.total_tokens:.1f}%)"

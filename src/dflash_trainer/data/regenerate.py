@@ -31,6 +31,7 @@ from typing import Any, TextIO
 
 from dflash_trainer.config import save_config
 from dflash_trainer.data.formats import (
+    TRUNCATED,
     Conversation,
     Rejected,
     drop_leading_assistant,
@@ -105,7 +106,7 @@ class ConversationJob:
                     source.pop()
         self._source = source
         self._next = 0
-        self.messages: list[Message] = []
+        self.messages: list[dict[str, Any]] = []
         self.pending = False
         self.turns = 0
         self.prompt_ids: list[int] | None = None
@@ -118,14 +119,20 @@ class ConversationJob:
         return not self.pending
 
     def prompt(self) -> list[Message]:
-        """The messages the next answer is conditioned on."""
+        """The messages the next answer is conditioned on (without the ``truncated`` marks,
+        which are this tool's, not the chat format's)."""
         assert self.pending, "prompt() of a finished conversation"
-        return list(self.messages)
+        return [{"role": m["role"], "content": m["content"]} for m in self.messages]
 
-    def answer(self, text: str) -> None:
-        """Record the generated answer of the pending turn and move to the next one."""
+    def answer(self, generation: Generation) -> None:
+        """Record the generated answer of the pending turn and move to the next one; an answer
+        cut at ``max_new_tokens`` is marked ``"truncated": true`` so that training does not
+        supervise the end-of-turn token the chat template appends to it."""
         assert self.pending, "answer() of a finished conversation"
-        self.messages.append({"role": "assistant", "content": text})
+        message: dict[str, Any] = {"role": "assistant", "content": generation.text}
+        if generation.truncated:
+            message[TRUNCATED] = True
+        self.messages.append(message)
         self.pending = False
         self.turns += 1
         self.prompt_ids = None
@@ -461,7 +468,7 @@ def _run_batched(backend: TransformersBackend, conversations: Iterator[SourceCon
             except GenerationError as exc:
                 run.failed(job.id, exc)
                 continue
-            job.answer(generation.text)
+            job.answer(generation)
             if job.done:
                 run.finished(job)
             else:
@@ -476,7 +483,7 @@ def _answer_all(backend: OpenAIBackend, job: ConversationJob, stop: threading.Ev
             raise GenerationError("stopped")
         generation = check_answer(backend.chat(job.prompt()), allow_empty=allow_empty)
         generations.append(generation)
-        job.answer(generation.text)
+        job.answer(generation)
     return generations
 
 

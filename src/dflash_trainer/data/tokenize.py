@@ -19,6 +19,10 @@ The spans come from the template itself:
   :class:`TemplateError` rather than trained on a wrong mask. ``data.last_turn_only`` needs only
   the last turn's prefix, which such templates do satisfy.
 
+An assistant message marked ``"truncated": true`` (an answer cut before the model ended its turn,
+as ``regenerate`` marks answers that hit ``--max-new-tokens``) is supervised only up to the end
+of its content: the end-of-turn token the template appends would be a false label there.
+
 Before rendering, assistant messages before the first user message are removed (there is no
 prompt they answer; counted as ``trimmed_leading``) and messages after the last assistant turn
 are dropped (they carry no supervision).
@@ -34,6 +38,7 @@ from typing import Any, Literal
 import numpy as np
 
 from dflash_trainer.data.formats import (
+    TRUNCATED,
     Conversation,
     DataError,
     Location,
@@ -79,6 +84,8 @@ class Encoded:
     truncated: bool = False
     trimmed_leading: int = 0
     """Assistant messages removed before the first user message."""
+    cut_answers: int = 0
+    """Assistant messages marked ``truncated`` (their end of turn is not supervised)."""
 
 
 @dataclass(frozen=True)
@@ -128,7 +135,7 @@ class ChatTokenizer:
         """Whether the template reads ``enable_thinking`` (so ``data.thinking`` has an effect)."""
         return reads_enable_thinking(self.template)
 
-    def _render(self, messages: list[dict[str, str]], *, generation_prompt: bool,
+    def _render(self, messages: list[dict[str, Any]], *, generation_prompt: bool,
                 with_spans: bool = False) -> tuple[str, list[tuple[int, int]]]:
         from transformers.utils.chat_template_utils import render_jinja_template
 
@@ -139,7 +146,7 @@ class ChatTokenizer:
             **kwargs)
         return rendered[0], ([tuple(s) for s in indices[0]] if with_spans else [])
 
-    def render(self, messages: list[dict[str, str]], location: Location | None = None, *,
+    def render(self, messages: list[dict[str, Any]], location: Location | None = None, *,
                max_chars: int | None = None) -> tuple[str, list[tuple[int, int]]]:
         """Text of a (trimmed) conversation and its supervised character spans.
 
@@ -151,7 +158,7 @@ class ChatTokenizer:
         text, spans, _ = self._render_spans(messages, location, max_chars)
         return text, spans
 
-    def _render_spans(self, messages: list[dict[str, str]], location: Location | None,
+    def _render_spans(self, messages: list[dict[str, Any]], location: Location | None,
                       max_chars: int | None) -> tuple[str, list[tuple[int, int]], bool]:
         """:meth:`render` plus whether the text was cut."""
         where = f"{location}: " if location is not None else ""
@@ -165,6 +172,7 @@ class ChatTokenizer:
         last = assistant[-1]
         if self.mode == "generation":
             text, spans = self._render(messages, generation_prompt=False, with_spans=True)
+            spans = self._clip_cut_answers(messages, text, spans, where)
             if self.options.last_turn_only:
                 head, _ = self._render(messages[:last], generation_prompt=True)
                 if not text.startswith(head):
@@ -189,9 +197,27 @@ class ChatTokenizer:
                     "the full chat (it renders history differently from a new turn, e.g. by "
                     "dropping earlier <think> blocks), so the assistant mask cannot be verified. "
                     "Set data.last_turn_only=true, or use a template with {% generation %} markers")
-            spans.append((len(head), min(len(turn), cut)))
+            stop = len(turn)
+            if messages[k].get(TRUNCATED):
+                stop = _content_stop(messages[k], k, text, len(head), stop, where)
+            spans.append((len(head), min(stop, cut)))
             end = len(turn)
         return text[:cut], [(a, b) for a, b in spans if a < b], cut < len(text)
+
+    def _clip_cut_answers(self, messages: list[dict[str, Any]], text: str,
+                          spans: list[tuple[int, int]], where: str) -> list[tuple[int, int]]:
+        """End the supervised span of each ``truncated`` answer where its content ends.
+
+        ``spans`` holds one span per assistant message, in order (before any is left out)."""
+        assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+        if not any(messages[k].get(TRUNCATED) for k in assistant):
+            return spans
+        if len(spans) != len(assistant):
+            raise TemplateError(
+                f"{where}the chat template marks {len(spans)} assistant spans for {len(assistant)} "
+                "assistant turns, so the turns marked truncated cannot be found; remove the marks")
+        return [(a, _content_stop(messages[k], k, text, a, b, where) if messages[k].get(TRUNCATED) else b)
+                for k, (a, b) in zip(assistant, spans)]
 
     def _cut_point(self, text: str, max_chars: int | None) -> int:
         if max_chars is None or len(text) <= max_chars:
@@ -207,7 +233,7 @@ class ChatTokenizer:
         and tokenized again in full.
         """
         results: list[Encoded | Dropped | None] = [None] * len(records)
-        todo: list[tuple[int, list[dict[str, str]], int]] = []
+        todo: list[tuple[int, list[dict[str, Any]], int]] = []
         for i, record in enumerate(records):
             if isinstance(record, Tokenized):
                 results[i] = self._from_tokenized(record)
@@ -225,14 +251,14 @@ class ChatTokenizer:
             if was_cut and len(ids) <= self.options.max_length:
                 again.append((i, messages, trimmed))
                 continue
-            results[i] = self._finish(ids, mask, trimmed, records[i].location, was_cut)
-        for (i, _messages, trimmed), (ids, mask, _) in zip(
+            results[i] = self._finish(ids, mask, trimmed, records[i].location, was_cut, messages)
+        for (i, messages, trimmed), (ids, mask, _) in zip(
                 again, self._tokenize([(m, records[i].location) for i, m, _ in again], None)):
-            results[i] = self._finish(ids, mask, trimmed, records[i].location, False)
+            results[i] = self._finish(ids, mask, trimmed, records[i].location, False, messages)
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
-    def _tokenize(self, items: list[tuple[list[dict[str, str]], Location]], max_chars: int | None
+    def _tokenize(self, items: list[tuple[list[dict[str, Any]], Location]], max_chars: int | None
                   ) -> list[tuple[np.ndarray, np.ndarray, bool]]:
         """(ids, mask, text was cut) per conversation, tokenized in one batch."""
         if not items:
@@ -267,7 +293,7 @@ class ChatTokenizer:
                             0, record.location, False)
 
     def _finish(self, ids: np.ndarray, mask: np.ndarray, trimmed: int, location: Location,
-                was_cut: bool) -> Encoded | Dropped:
+                was_cut: bool, messages: list[dict[str, Any]] = ()) -> Encoded | Dropped:
         opts = self.options
         truncated = False
         if len(ids) > opts.max_length:
@@ -281,7 +307,23 @@ class ChatTokenizer:
             after = f" after truncation to {opts.max_length} tokens" if truncated else ""
             return Dropped("too_short", f"{location}: {supervised} supervised tokens{after} < "
                            f"data.min_supervised_tokens {opts.min_supervised_tokens}")
-        return Encoded(np.ascontiguousarray(ids), np.ascontiguousarray(mask), truncated, trimmed)
+        return Encoded(np.ascontiguousarray(ids), np.ascontiguousarray(mask), truncated, trimmed,
+                       sum(bool(m.get(TRUNCATED)) for m in messages))
+
+
+def _content_stop(message: dict[str, Any], k: int, text: str, start: int, stop: int,
+                  where: str) -> int:
+    """Where the content of assistant message ``k`` ends inside its turn ``text[start:stop]``."""
+    content = message["content"]
+    # The first occurrence inside the turn: the template may trim the content, and the
+    # end-of-turn suffix comes after it.
+    found = [i + len(c) for c in dict.fromkeys((content, content.strip()))
+             if (i := text.find(c, start, stop)) >= 0]
+    if not found:
+        raise TemplateError(
+            f"{where}assistant turn {k} is marked truncated, but the chat template does not render "
+            "its content verbatim, so where the answer stops cannot be found; remove the mark")
+    return found[0]
 
 
 def reads_enable_thinking(template: str | dict[str, str] | None) -> bool:
@@ -292,7 +334,7 @@ def reads_enable_thinking(template: str | dict[str, str] | None) -> bool:
     return bool(template) and "enable_thinking" in template
 
 
-def trim_conversation(messages: list[dict[str, str]]) -> tuple[list[dict[str, str]], int]:
+def trim_conversation(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
     """Remove assistant messages before the first user message and every message after the
     last assistant one; returns the messages and how many leading assistant ones were removed."""
     kept, trimmed = drop_leading_assistant(messages)
