@@ -9,10 +9,13 @@ output, so the two tau values are directly comparable.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,22 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return "n/a" if math.isnan(value) else f"{value:.3f}"
     return str(value)
+
+
+@contextlib.contextmanager
+def _all_cores() -> Iterator[None]:
+    """Every core for the evaluations, which run while no pipeline thread computes.
+
+    Training splits the cores between the target stage and the drafter loop; an evaluation is
+    one thread of work, so the split would leave half the machine idle. The baseline and the
+    speculative decode both run inside, under the same thread count, so their times compare.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(previous, os.cpu_count() or 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
@@ -53,12 +72,14 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
             # verify forward and the one-token decode round differently and flip near-ties.
             eval_target, _ = load_target(str(resolve_target(cfg.model.target)),
                                          device=trainer.device, dtype=torch.float32)
-        evaluator = InTrainingEval.from_config(cfg, target=eval_target,
-                                               tokenizer=trainer.tokenizer)
-        untrained = evaluator(trainer.drafter)
+        with _all_cores():
+            evaluator = InTrainingEval.from_config(cfg, target=eval_target,
+                                                   tokenizer=trainer.tokenizer)
+            untrained = evaluator(trainer.drafter)
         trainer.trackers.log(untrained, 0)
         trainer.train()
-        trained = evaluator(trainer.drafter)
+        with _all_cores():
+            trained = evaluator(trainer.drafter)
         trainer.trackers.log(trained, trainer.loop.optimizer_step)
     except BaseException:
         close_after_failure(trainer)
