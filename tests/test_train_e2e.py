@@ -93,7 +93,9 @@ def test_demo_command_end_to_end(tiny_setup, tmp_path: Path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "acceptance length tau" in out and "exported drafter" in out
+    assert "training steps in bfloat16; evaluation in float32" in out
     results = json.loads((run / "eval" / "results.json").read_text())
+    assert results["dtype"] == "bfloat16" and 0 < results["train_s"] < results["wall_s"]
     assert results["lossless"] and results["untrained_lossless"]
     assert 1.0 <= results["tau"] <= 16 and 1.0 <= results["untrained_tau"] <= 16
     # The trained drafter's answers, each with its acceptance trace, for the report to highlight.

@@ -12,8 +12,10 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,6 +54,29 @@ def _all_cores() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+@contextlib.contextmanager
+def _console_info(logger_name: str) -> Iterator[None]:
+    """Print one module's INFO messages on the console, prefixed ``demo:``.
+
+    The demo keeps the trainer's INFO log off the console; the CPU dtype choice (which of
+    float32 and bf16 ``model.dtype: auto`` measured faster on this machine, and by how much) is
+    the one set-up decision a newcomer needs to see to read the step rate.
+    """
+    logger = logging.getLogger(logger_name)
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("demo: %(message)s"))
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # a root handler (``train`` configures one) would print it twice
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
 def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     """Run the demo; exit 1 if speculative decoding was not lossless."""
     started = time.monotonic()
@@ -61,7 +86,9 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
         cfg = dataclasses.replace(cfg, run_dir=f"{cfg.run_dir}-{time.strftime('%Y%m%d-%H%M%S')}")
         print(f"demo: {run_dir} is not empty; this run goes to {cfg.run_dir}", flush=True)
     prepare.main(cfg, None)
-    trainer = Trainer(cfg)
+    with _console_info("dflash_trainer.dtypes"):
+        trainer = Trainer(cfg)
+    dtype = str(trainer.compute_dtype).removeprefix("torch.")
     try:
         num_prompts = len(load_prompts(cfg, limit=cfg.eval.in_training_prompts, first_turn_only=True))
         print(f"demo: evaluating the untrained drafter on {num_prompts} {cfg.eval.prompts} prompts "
@@ -77,7 +104,9 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
                                                    tokenizer=trainer.tokenizer)
             untrained = evaluator(trainer.drafter)
         trainer.trackers.log(untrained, 0)
+        train_started = time.monotonic()
         trainer.train()
+        train_s = time.monotonic() - train_started
         with _all_cores():
             trained = evaluator(trainer.drafter)
         trainer.trackers.log(trained, trainer.loop.optimizer_step)
@@ -94,6 +123,9 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
         "untrained_tau": untrained["eval/tau"], "untrained_lossless": bool(untrained["eval/lossless"]),
         "prompts": cfg.eval.prompts, "num_prompts": num_prompts,
         "max_new_tokens": cfg.eval.max_new_tokens, "steps": trainer.loop.optimizer_step,
+        "dtype": dtype,
+        # Wall times make a result file comparable across machines: the step rate varies ~3x.
+        "wall_s": round(time.monotonic() - started, 1), "train_s": round(train_s, 1),
         # The trained drafter's answers with their acceptance traces: the report highlights them.
         "per_prompt": [r.to_json() for r in evaluator.last_requests],
     }
@@ -103,7 +135,7 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
             ("decode speedup (CPU)", untrained["eval/speedup"], trained["eval/speedup"]),
             ("lossless", bool(untrained["eval/lossless"]), bool(trained["eval/lossless"]))]
     print(f"\ndemo finished in {time.monotonic() - started:.0f} s "
-          f"({trainer.loop.optimizer_step} training steps)")
+          f"({trainer.loop.optimizer_step} training steps in {dtype}; evaluation in float32)")
     print(f"  {'':24s} {'untrained':>10s} {'trained':>10s}")
     for name, before, after in rows:
         print(f"  {name:24s} {_fmt(before):>10s} {_fmt(after):>10s}")
