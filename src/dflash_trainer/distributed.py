@@ -17,6 +17,7 @@ looks the same whatever the wrapping.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections.abc import Iterator
@@ -99,9 +100,20 @@ def _backend(cfg: DistributedConfig, device: torch.device) -> str:
 
 
 def close_distributed() -> None:
-    """Destroy the process group (idempotent)."""
+    """Destroy the process groups and join their threads (idempotent).
+
+    Call it once the wrapped models are no longer referenced. A group stays alive while
+    anything holds it, and FSDP2's modules hold theirs in reference cycles, so without the
+    collection here the group's destructor would run in the interpreter's final collection
+    at exit. That destructor lets gloo's worker threads finish their queued work, and a
+    worker freeing a tensor that Python still owns must take the GIL, which a finalizing
+    interpreter refuses by ending the thread: the rank aborts (SIGABRT, "terminate called
+    without an active exception") after a run that succeeded. Collected here, the
+    destructor runs with the interpreter alive and releases the GIL while it waits.
+    """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()
 
 
 def check_distributed_options(cfg: DistributedConfig, info: DistInfo, *,

@@ -548,13 +548,15 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
         close_after_failure(trainer)
         raise
     trainer.close()
-    stopped_by_signal = (trainer.stopped_by or "").startswith("signal")
-    if trainer.dist.is_main and not stopped_by_signal:
+    is_main, run_dir, stopped_by = trainer.dist.is_main, trainer.run_dir, trainer.stopped_by
+    del trainer  # the process groups are joined once nothing holds the wrapped models
+    close_distributed()
+    stopped_by_signal = (stopped_by or "").startswith("signal")
+    if is_main and not stopped_by_signal:
         from dflash_trainer.report import write_report
 
-        print(f"report: {write_report(trainer.run_dir)}", flush=True)
-    elif trainer.dist.is_main:
-        print(f"stopped by {trainer.stopped_by}: resume with --resume auto; write the report "
-              f"with `dflash-trainer report {trainer.run_dir}`", flush=True)
-    close_distributed()
+        print(f"report: {write_report(run_dir)}", flush=True)
+    elif is_main:
+        print(f"stopped by {stopped_by}: resume with --resume auto; write the report "
+              f"with `dflash-trainer report {run_dir}`", flush=True)
     return 0
