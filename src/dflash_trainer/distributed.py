@@ -100,16 +100,19 @@ def _backend(cfg: DistributedConfig, device: torch.device) -> str:
 
 
 def close_distributed() -> None:
-    """Destroy the process groups and join their threads (idempotent).
+    """Destroy the process groups and free those only reference cycles still hold
+    (idempotent).
 
-    Call it once the wrapped models are no longer referenced. A group stays alive while
-    anything holds it, and FSDP2's modules hold theirs in reference cycles, so without the
-    collection here the group's destructor would run in the interpreter's final collection
-    at exit. That destructor lets gloo's worker threads finish their queued work, and a
-    worker freeing a tensor that Python still owns must take the GIL, which a finalizing
-    interpreter refuses by ending the thread: the rank aborts (SIGABRT, "terminate called
-    without an active exception") after a run that succeeded. Collected here, the
-    destructor runs with the interpreter alive and releases the GIL while it waits.
+    Call it once the wrapped models are no longer referenced. FSDP2's modules hold their
+    device mesh's group in reference cycles; left to the interpreter's final collection, the
+    group's destructor lets gloo's worker threads finish their queue while the interpreter
+    finalizes, and a worker releasing a Python-owned tensor must take the GIL, which a
+    finalizing interpreter refuses by ending the thread: the rank aborts (SIGABRT,
+    "terminate called without an active exception") after a run that succeeded, most
+    likely when it exits right after its last collective. Collected here, the destructor
+    runs with the interpreter alive and releases the GIL while it waits. (DTensor's
+    sharding caches can still hold a mesh, and so its group, until exit; by then its
+    workers have long been idle.)
     """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
