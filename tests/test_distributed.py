@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed import distributed_c10d
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -193,19 +194,14 @@ def _module_worker(rank: int, port: int, out: str) -> None:
         if name == "fsdp":
             results["fsdp_roundtrip"] = fsdp_roundtrip(target, mine[0], info)
     results["target_fsdp_max_diff"] = sharded_target_diff(target, items[rank].batch, info)
+    # Beside the default group, the one wrap_target makes for the sharded target.
     world = torch.distributed.group.WORLD
-    groups = [weakref.ref(pg) for pg in process_groups() if pg is not world]
+    groups = [weakref.ref(pg) for pg in distributed_c10d._world.pg_names if pg is not world]
     close_distributed()
     results["groups_created"] = len(groups)
     results["groups_alive_after_close"] = sum(ref() is not None for ref in groups)
     if rank == 0:
         torch.save(results, out)
-
-
-def process_groups() -> list[torch.distributed.ProcessGroup]:
-    """Every process group this rank holds (FSDP2's device mesh makes its own)."""
-    from torch.distributed import distributed_c10d
-    return list(distributed_c10d._world.pg_names)
 
 
 def fsdp_roundtrip(target: LlamaForCausalLM, item: StepInput, info: DistInfo) -> bool:
