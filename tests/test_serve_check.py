@@ -155,6 +155,15 @@ def _tiny_export(folder: Path) -> Path:
     return export_drafter(drafter, folder, target_config=target)
 
 
+def test_draft_count_is_the_exported_block_size_minus_one(tmp_path):
+    folder = _tiny_export(tmp_path / "drafter")
+    assert serve_check.num_draft_tokens(folder) == 3
+    config = (folder / "config.json").read_text()
+    (folder / "config.json").write_text(config.replace('"block_size": 4', '"block_size": null'))
+    with pytest.raises(serve_check.DrafterError, match="block_size is None"):
+        serve_check.num_draft_tokens(folder)
+
+
 def test_check_drafter_rejects_missing_weights(tmp_path):
     folder = _tiny_export(tmp_path / "drafter")
     serve_check.check_drafter(folder)
@@ -183,7 +192,7 @@ def test_report_marks_differing_outputs(tmp_path):
     plain = serve_check.ServedRun(label="plain", startup_s=90.0,
                                   completions=[_completion("a b", [1, 2]), _completion("d", [4])])
     result = serve_check.build_result(args, tmp_path, tmp_path / "drafter", "given", ["p0", "p1"], spec, plain,
-                                      None, {})
+                                      None, {}, num_draft=15)
     assert [row["identical"] for row in result["prompts"]] == [True, False]
     assert result["plain"]["tokens_per_s"] == pytest.approx(3.0)
     table = serve_check.format_report(result)

