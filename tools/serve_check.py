@@ -159,11 +159,10 @@ def server_env() -> dict[str, str]:
     return env
 
 
-def start_server(python: Path, target_dir: Path, drafter: Path | None, args: argparse.Namespace,
+def start_server(python: Path, target_dir: Path, speculative: dict[str, Any] | None, args: argparse.Namespace,
                  out_dir: Path, label: str) -> VllmServer:
-    """A started :class:`VllmServer`, waited until ready (stopped again if that fails)."""
-    speculative = None if drafter is None else {
-        "method": "dflash", "model": str(drafter.resolve()), "num_speculative_tokens": num_draft_tokens(drafter)}
+    """A started :class:`VllmServer`, waited until ready (stopped again if that fails);
+    ``speculative`` is vLLM's ``--speculative-config``, None for the target alone."""
     port = args.port or free_port()
     extra = ["--enforce-eager"] * args.eager + list(args.vllm_arg)
     command = server_command(python, target_dir, port=port, speculative=speculative, dtype=args.dtype,
@@ -459,11 +458,13 @@ def run(args: argparse.Namespace) -> int:
     target_dir = resolve_target(args.target)
     drafter, source = resolve_drafter(args, target_dir, out_dir)
     check_drafter(drafter)
+    num_draft = num_draft_tokens(drafter)
+    speculative = {"method": "dflash", "model": str(drafter.resolve()), "num_speculative_tokens": num_draft}
     prompts = [q["turns"][0] for q in mtbench_questions()[:args.prompts]]
     python = ensure_venv(Path(args.venv), log=log)
     torch.set_num_threads(args.threads)
 
-    with start_server(python, target_dir, drafter, args, out_dir, "drafter") as server:
+    with start_server(python, target_dir, speculative, args, out_dir, "drafter") as server:
         spec = answer_prompts(server, prompts, max_tokens=args.max_tokens, label="drafter", speculative=True)
     regen: dict[str, Any] = {}
     with start_server(python, target_dir, None, args, out_dir, "plain") as server:
@@ -493,7 +494,7 @@ def run(args: argparse.Namespace) -> int:
     report = None if args.skip_eval else project_eval(drafter, target_dir, prompts, max_tokens=args.max_tokens,
                                                       dtype=args.dtype)
     result = build_result(args, target_dir, drafter, source, prompts, spec, plain, report, regen,
-                          num_draft=num_draft_tokens(drafter))
+                          num_draft=num_draft)
     (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     print(format_report(result), flush=True)
     log(f"serve-check: wrote {out_dir / 'result.json'}")
