@@ -33,6 +33,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -249,11 +250,8 @@ def run_worker(spec: dict[str, Any], log_path: Path, timeout_s: float) -> dict[s
     with log_path.open("w") as log:
         proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        rc = wait_for_worker(proc, timeout_s)
+        if rc is None:
             print(f"  timed out after {timeout_s:.0f} s; log: {log_path}", flush=True)
             return None
     if rc != 0 or not result_path.is_file():
@@ -261,6 +259,35 @@ def run_worker(spec: dict[str, Any], log_path: Path, timeout_s: float) -> dict[s
         print(f"  failed (exit {rc}); log: {log_path}\n    " + "\n    ".join(tail), flush=True)
         return None
     return json.loads(result_path.read_text())
+
+
+def wait_for_worker(proc: subprocess.Popen, timeout_s: float) -> int | None:
+    """The worker's exit code, or None (worker killed) after ``timeout_s``."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None
+    except BaseException:
+        # Ctrl-C or SIGTERM of the parent: a half-trained variant measures nothing, and a
+        # worker left training would skew every measurement after it.
+        stop_worker(proc)
+        raise
+
+
+def stop_worker(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the worker, then SIGKILL it if it is still running after ``grace_s``."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _raise_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -325,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         print(markdown_table(args.markdown))
         return 0
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
 
     variants = [parse_variant(v) for v in args.variant] or [("base", [])]
     names = [n for n, _ in variants]
