@@ -30,6 +30,7 @@ The rows (with the full resolved overrides and the per-prompt taus) go to ``--ou
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -37,6 +38,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -248,9 +250,9 @@ def run_worker(spec: dict[str, Any], log_path: Path, timeout_s: float) -> dict[s
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(spec["threads"]),
                MKL_NUM_THREADS=str(spec["threads"]))
     with log_path.open("w") as log:
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)],
-                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-        rc = wait_for_worker(proc, timeout_s)
+        with worker_process([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path)],
+                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO) as proc:
+            rc = wait_for_worker(proc, timeout_s)
         if rc is None:
             print(f"  timed out after {timeout_s:.0f} s; log: {log_path}", flush=True)
             return None
@@ -261,6 +263,19 @@ def run_worker(spec: dict[str, Any], log_path: Path, timeout_s: float) -> dict[s
     return json.loads(result_path.read_text())
 
 
+@contextlib.contextmanager
+def worker_process(args: list[str], **popen_kwargs: Any) -> Iterator[subprocess.Popen]:
+    """A worker subprocess that is stopped if the ``with`` block is left by an exception."""
+    proc = subprocess.Popen(args, **popen_kwargs)
+    try:
+        yield proc
+    except BaseException:
+        # Ctrl-C or SIGTERM of the parent: a half-trained variant measures nothing, and a
+        # worker left training would skew every measurement after it.
+        stop_worker(proc)
+        raise
+
+
 def wait_for_worker(proc: subprocess.Popen, timeout_s: float) -> int | None:
     """The worker's exit code, or None (worker killed) after ``timeout_s``."""
     try:
@@ -269,11 +284,6 @@ def wait_for_worker(proc: subprocess.Popen, timeout_s: float) -> int | None:
         proc.kill()
         proc.wait()
         return None
-    except BaseException:
-        # Ctrl-C or SIGTERM of the parent: a half-trained variant measures nothing, and a
-        # worker left training would skew every measurement after it.
-        stop_worker(proc)
-        raise
 
 
 def stop_worker(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

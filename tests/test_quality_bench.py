@@ -45,11 +45,11 @@ def test_a_stopped_parent_stops_its_worker(tmp_path: Path):
               f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
               f"import quality, signal\n"
               f"signal.signal(signal.SIGTERM, quality._raise_on_sigterm)\n"
-              f"proc = subprocess.Popen([sys.executable, '-c', {_SLEEPER!r}], stdout=subprocess.PIPE)\n"
-              f"proc.stdout.readline()\n"
-              f"open({str(pid_file)!r}, 'w').write(str(proc.pid))\n"
-              f"print('ready', flush=True)\n"
-              f"quality.wait_for_worker(proc, timeout_s=600)\n")
+              f"with quality.worker_process([sys.executable, '-c', {_SLEEPER!r}], stdout=subprocess.PIPE) as proc:\n"
+              f"    proc.stdout.readline()\n"
+              f"    open({str(pid_file)!r}, 'w').write(str(proc.pid))\n"
+              f"    print('ready', flush=True)\n"
+              f"    quality.wait_for_worker(proc, timeout_s=600)\n")
     proc = _started(parent)
     worker_pid = int(pid_file.read_text())
     proc.terminate()
