@@ -20,10 +20,11 @@ LLAMA_31_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=
                    rope_theta=500000, max_position_embeddings=131072, tie_word_embeddings=False)
 
 
-@pytest.mark.parametrize("name", ["demo-cpu", "qwen3-8b", "llama-3.1-8b"])
-def test_config_loads(name: str):
+@pytest.mark.parametrize(("name", "block_size"), [("demo-cpu", 4), ("reference-cpu", 16), ("qwen3-8b", 16),
+                                                   ("llama-3.1-8b", 16)])
+def test_config_loads(name: str, block_size: int):
     cfg = load_config(CONFIGS / f"{name}.yaml")
-    assert cfg.model.block_size == 16
+    assert cfg.model.block_size == block_size
 
 
 def test_qwen3_8b_reference_drafter_size():

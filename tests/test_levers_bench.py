@@ -20,7 +20,7 @@ def test_levers_caches_once_and_measures_each_variant(tmp_path: Path, capsys: py
     target = make_tiny_target(tmp_path / "target", layers=4)
     data = make_chat_jsonl(tmp_path / "chat.jsonl", num=16)
     common = [f"model.target={target}", f"data.paths=[{data}]", f"data.cache_dir={tmp_path / 'tokens'}",
-              "data.max_length=128", "data.heldout_samples=0", "model.dtype=float32",
+              "data.max_length=128", "data.heldout_samples=0", "model.dtype=float32", "model.num_layers=1",
               "training.num_anchors=4", "training.labels=kl", "training.loss_slots=3"]
     args = ["--config", "configs/demo-cpu.yaml", "--train-samples", "4", "--heldout-samples", "2",
             "--checkpoints", "2,4", "--seeds", "0", "--eval-anchors", "8",

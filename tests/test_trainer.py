@@ -115,17 +115,19 @@ def test_grad_accum_steps_once_per_two_micro_batches(setup, tmp_path):
 
 
 def test_the_demo_config_trains_with_its_own_settings(setup, tmp_path):
-    """configs/demo-cpu.yaml as it is (the data's own tokens as labels, loss on slot 1 only,
-    constant LR after a 10-step warmup), on the tiny target and data."""
+    """configs/demo-cpu.yaml as it is (the target's greedy tokens as labels, two layers, a
+    4-token block, loss on slot 1 only, constant LR after a 10-step warmup), on the tiny target
+    and data."""
     args = [f"model.target={setup['target']}", f"data.paths=[{setup['data']}]",
             f"run_dir={tmp_path / 'run'}", f"data.cache_dir={setup['cache']}",
-            "data.max_length=128", "data.heldout_samples=0", "model.target_layer_ids=[0,1]",
+            "data.max_length=128", "data.heldout_samples=0", "model.target_layer_ids=[0]",
             "training.max_steps=12",
             "training.num_anchors=4", "pipeline.tokens_per_batch=256", "logging.console=false",
             "logging.tensorboard=false", "logging.every_steps=1"]
     cfg = load_config(REPO / "configs" / "demo-cpu.yaml", args)
     assert (cfg.training.labels, cfg.training.loss_slots, cfg.training.schedule) == (
-        "data", 1, "constant")
+        "target_greedy", 1, "constant")
+    assert (cfg.model.num_layers, cfg.model.block_size) == (2, 4)
     trainer = Trainer(cfg)
     try:
         trainer.train()
