@@ -24,7 +24,7 @@ demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/dflash-trainer demo --config $(DEMO_CONFIG)
 
 test: lint
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=20 tests
 
 # The inner loop: every test not marked slow, in under a minute.
 test-fast: $(STAMP)
