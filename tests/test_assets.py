@@ -112,7 +112,7 @@ def test_write_dir_atomically_leaves_nothing_after_a_crash(tmp_path):
 
 def test_resolve_target_folders_and_hub_ids(tmp_path):
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
     assert resolve_target(str(tmp_path / "model")) == tmp_path / "model"
     with pytest.raises(AssetError, match="not a Hugging Face model folder"):
         resolve_target(str(tmp_path))

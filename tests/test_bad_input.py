@@ -174,6 +174,180 @@ TOOL_CALL = {"messages": [
     {"role": "assistant", "content": None, "function_call": {"name": "weather", "arguments": "{}"}},
     {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]}
 
+# --- library boundaries: builders of broken targets, datasets and exports ----------------------
+
+def _target_copy(t: Path, d: Path, name: str = "target-copy") -> Path:
+    import shutil
+
+    return Path(shutil.copytree(t, d / name))
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def _retokenize(folder: Path, **attributes: str) -> None:
+    """Save the tokenizer of ``folder`` again with some attributes (tokens, template) changed."""
+    from dflash_trainer.assets import load_tokenizer
+
+    tokenizer = load_tokenizer(folder)
+    for name, value in attributes.items():
+        setattr(tokenizer, name, value)
+    tokenizer.save_pretrained(folder)
+
+
+def _broken_target(damage: Callable[[Path], None], command: str = "train") -> Callable[[Path, Path], list[str]]:
+    """``command`` on a copy of the target that ``damage`` broke."""
+    def argv(t: Path, d: Path) -> list[str]:
+        target = _target_copy(t, d)
+        damage(target)
+        data = make_chat_jsonl(d / "chat.jsonl", num=8)
+        return train_args(target, d, data) if command == "train" else ["prepare", *data_args(target, d, data)]
+    return argv
+
+
+def _signed_drafter(t: Path, d: Path) -> Path:
+    """An export of a drafter built with the target's tokenizer (so it records its fingerprint)."""
+    from dflash_trainer.assets import load_tokenizer
+
+    drafter = build_drafter(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[0, 1]),
+                            AutoConfig.from_pretrained(t), mask_token_id=16, tokenizer=load_tokenizer(t))
+    return export_drafter(drafter, d / "export", dtype=torch.float32)
+
+
+def _wider_vocabulary(t: Path, d: Path) -> Path:
+    """The target with 512 more embedding rows (49,664 against 49,152), the same tokenizer."""
+    from transformers import LlamaForCausalLM
+
+    from dflash_trainer.assets import load_tokenizer
+
+    config = AutoConfig.from_pretrained(t)
+    config.vocab_size += 512
+    LlamaForCausalLM(config).save_pretrained(d / "wider")
+    load_tokenizer(t).save_pretrained(d / "wider")
+    return d / "wider"
+
+
+def _other_template(t: Path, d: Path) -> Path:
+    target = _target_copy(t, d, "other-template")
+    _retokenize(target, chat_template=_template(target).replace("named SmolLM", "named Smol"))
+    return target
+
+
+def _template(folder: Path) -> str:
+    from dflash_trainer.assets import load_tokenizer
+
+    return load_tokenizer(folder).chat_template
+
+
+def _drafter_on(make_target: Callable[[Path, Path], Path], command: str = "eval") -> Callable[[Path, Path], list[str]]:
+    """``eval`` (or ``generate``) of a drafter trained for the target on the target ``make_target`` gives."""
+    def argv(t: Path, d: Path) -> list[str]:
+        drafter = _signed_drafter(t, d)
+        extra = ["eval.num_prompts=1", f"run_dir={d / 'run'}"] if command == "eval" else ["--prompt", "hi"]
+        return [command, "--drafter", str(drafter), f"model.target={make_target(t, d)}", *extra]
+    return argv
+
+
+def _truncated_export(t: Path, d: Path) -> list[str]:
+    drafter = _signed_drafter(t, d)
+    _truncate(drafter / "model.safetensors")
+    return ["eval", "--drafter", str(drafter), f"model.target={t}", "eval.num_prompts=1", f"run_dir={d / 'run'}"]
+
+
+def _export_to(out: Callable[[Path, Path], Path], *extra: str) -> Callable[[Path, Path], list[str]]:
+    def argv(t: Path, d: Path) -> list[str]:
+        return ["export", "--checkpoint", str(checkpoint(d, t)), "--out", str(out(t, d)), *extra]
+    return argv
+
+
+def _existing_file(t: Path, d: Path) -> Path:
+    return _write(d / "drafter.bin", b"mine")
+
+
+def _folder_with_files(t: Path, d: Path) -> Path:
+    (d / "mine").mkdir()
+    _write(d / "mine" / "notes.txt", b"keep me")
+    return d / "mine"
+
+
+def _damaged_datasets_folder(t: Path, d: Path) -> list[str]:
+    folder = d / "ds"
+    folder.mkdir()
+    _write(folder / "state.json", b'{"_data_files": [{"filename": "data-00000-of-00001.arrow"}')
+    _write(folder / "dataset_info.json", b"{}")
+    return ["prepare", *data_args(t, d, folder)]
+
+
+def _resume_on_another_tokenizer(t: Path, d: Path) -> list[str]:
+    """A run trained on a target whose tokenizer then changed its pad token (same data tokens)."""
+    target = _target_copy(t, d)
+    data = make_chat_jsonl(d / "chat.jsonl", num=8)
+    assert cli_main(train_args(target, d, data)) == 0
+    _retokenize(target, pad_token="<|endoftext|>")
+    return train_args(target, d, data, "checkpoint.resume=auto", "training.max_steps=2")
+
+
+EMPTY_ANSWERS = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " \n "},
+                              {"role": "user", "content": "again"}, {"role": "assistant", "content": ""}]}
+
+
+
+# --- nothing overwritten or resumed silently; one writer per folder: builders -------------------
+
+def _earlier_checkpoints(t: Path, d: Path) -> list[str]:
+    """A run folder with an earlier run's step-2 and step-4 but no ``latest`` pointer."""
+    ck = Checkpointer(d / "run" / "checkpoints", keep_last=5, async_save=False)
+    for step in (2, 4):
+        ck.save(SaveRequest(step=step, state={"step": step}, rank_states={}, export=None))
+    ck.close()
+    (d / "run" / "checkpoints" / "latest").unlink()
+    return train_args(t, d, make_chat_jsonl(d / "chat.jsonl", num=8))
+
+
+def _damaged_checkpoints_only(t: Path, d: Path) -> list[str]:
+    flip_bytes(checkpoint(d, t) / "state.pt")
+    return train_args(t, d, make_chat_jsonl(d / "chat.jsonl", num=8), "checkpoint.resume=auto")
+
+
+def _data_edited_in_place(t: Path, d: Path) -> list[str]:
+    """A real one-step run, then its data file rewritten with more records (same path)."""
+    data = make_chat_jsonl(d / "chat.jsonl", num=8)
+    assert cli_main(train_args(t, d, data)) == 0
+    make_chat_jsonl(data, num=12, seed=1)
+    return train_args(t, d, data, "checkpoint.resume=auto")
+
+
+def _run_dir_in_use(t: Path, d: Path) -> list[str]:
+    """The run folder locked by another process (it lets go after 30 s)."""
+    import os
+    import subprocess
+    import sys
+
+    ready = d / "held"
+    script = ("import sys, time; from pathlib import Path; from dflash_trainer.locks import "
+              "run_folder_lock; run_folder_lock(sys.argv[1]).acquire(); "
+              "Path(sys.argv[2]).write_text('held'); time.sleep(30)")
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    subprocess.Popen([sys.executable, "-c", script, str(d / "run"), str(ready)],
+                     env={**os.environ, "PYTHONPATH": src})
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert time.monotonic() < deadline, "the lock holder did not start"
+        time.sleep(0.05)
+    return train_args(t, d, make_chat_jsonl(d / "chat.jsonl", num=8))
+
+
+def _a_file_at(name: str, command: str) -> Callable[[Path, Path], list[str]]:
+    """``command`` whose run folder or cache folder (``name``) is an existing file."""
+    def argv(t: Path, d: Path) -> list[str]:
+        (d / name).write_text("not a folder")
+        data = make_chat_jsonl(d / "chat.jsonl", num=8)
+        return train_args(t, d, data) if command == "train" else ["prepare", *data_args(t, d, data)]
+    return argv
+
+
 CASES = [
     Case("file smaller than the held-out split", _small_file, 1,
          r"data error: data.heldout_samples=64 would hold out 40 of the 40 records"),
@@ -240,6 +414,103 @@ CASES = [
     Case("regenerate: bad option", lambda t, d: ["regenerate", "--out", str(d / "o.jsonl"),
                                                  "--backend", "openai"], 2,
          r"config error: --backend openai needs --server-url"),
+    # --- option ranges and CLI flags ---
+    Case("train: training.lr=inf", _train("training.lr=inf"), 2,
+         r"config error: training.lr must be in \(0, 1\], got inf$"),
+    Case("train: training.max_steps=0", _train("training.max_steps=0"), 2,
+         r"config error: training.max_steps must be in \[1, 1_000_000_000\], or none for no limit "
+         r"\(training.epochs decides\), got 0$"),
+    Case("train: AdamW betas out of range", _train("training.betas=[1.5, 0.9]"), 2,
+         r"config error: training.betas\[0\] must be in \[0, 1\), got 1.5$"),
+    Case("generate: --max-new-tokens 0",
+         lambda t, d: ["generate", "--drafter", str(d / "no-drafter"), f"model.target={t}", "--prompt", "hi",
+                       "--max-new-tokens", "0"], 2,
+         r"config error: --max-new-tokens must be in \[1, 1_048_576\], got 0$"),
+    Case("generate: whitespace-only --prompt",
+         lambda t, d: ["generate", "--drafter", str(d / "no-drafter"), f"model.target={t}", "--prompt", "  "], 2,
+         r"config error: --prompt must not be empty or only whitespace, got '  '$"),
+    Case("regenerate: --top-p out of range",
+         lambda t, d: ["regenerate", "--out", str(d / "o.jsonl"), "--top-p", "1.5"], 2,
+         r"config error: --top-p must be in \(0, 1\], got 1.5$"),
+    Case("regenerate: --concurrency not a number",
+         lambda t, d: ["regenerate", "--out", str(d / "o.jsonl"), "--concurrency", "many"], 2,
+         r"config error: --concurrency must be an integer in \[1, 1024\], got 'many'$"),
+    # --- library boundaries: targets, datasets, checkpoints, exports, drafter/target agreement ---
+    Case("train: target folder without weights",
+         _broken_target(lambda target: (target / "model.safetensors").unlink()), 1,
+         r"target error: target .*target-copy: no model weights in the folder \(model.safetensors, "
+         r"pytorch_model.bin or a sharded index; it holds .*config.json"),
+    Case("train: truncated target weights",
+         _broken_target(lambda target: _truncate(target / "model.safetensors")), 1,
+         r"target error: target .*target-copy: the model does not load \(SafetensorError: .*incomplete "
+         r"metadata.*\); its weights are truncated, damaged"),
+    Case("prepare: target config.json not JSON",
+         _broken_target(lambda target: _write(target / "config.json", b'{"model_type": '), "prepare"), 1,
+         r"target error: target '.*target-copy': .*config.json is not valid JSON \(Expecting value"),
+    Case("prepare: damaged target tokenizer",
+         _broken_target(lambda target: _write(target / "tokenizer.json", b'{"model": {'), "prepare"), 1,
+         r"target error: the tokenizer of .*target-copy does not load \(.*\); the folder needs tokenizer.json"),
+    Case("prepare: damaged GGUF target",
+         lambda t, d: ["prepare", *data_args(_write(d / "broken.gguf", b"GGUF" + bytes(64)), d,
+                                             make_chat_jsonl(d / "chat.jsonl", num=4))], 1,
+         r"target error: .*broken.gguf: not a readable GGUF file \(.*\); the file is damaged or truncated"),
+    Case("prepare: datasets folder with a damaged state.json", _damaged_datasets_folder, 1,
+         r"data error: .*ds/state.json: not readable JSON \(.*\); the datasets folder is damaged"),
+    Case("prepare: one pretty-printed JSON object", _prepare("one.json", json.dumps(chat(0), indent=2).encode()),
+         1, r"data error: .*one.json:1: not a JSON array, and its first line is not a complete JSON object "
+            r".*accepted layouts: JSON Lines \(one JSON object per line\), a JSON array of objects"),
+    Case("prepare: every assistant answer empty", _prepare("empty.jsonl", jsonl([EMPTY_ANSWERS])), 1,
+         r"data error: no training samples: counts: 1 records read \(\+0 held out\), 0 kept, 1 dropped "
+         r"\(empty answers 1\)"),
+    Case("train: drafter heads do not divide the KV heads", _train("model.num_attention_heads=3"), 2,
+         r"config error: the drafter's 3 attention heads \(model.num_attention_heads\) are not a multiple "
+         r"of its 2 key/value heads \(model.num_key_value_heads, from the target\)"),
+    Case("export: --out is an existing file", _export_to(_existing_file), 2,
+         r"config error: --out .*drafter.bin is an existing file, not a folder"),
+    Case("export: --out is a folder with other files", _export_to(_folder_with_files), 2,
+         r"config error: --out .*mine is a folder that holds other files \(notes.txt\), not a drafter export"),
+    Case("export: --out holds an earlier export", _export_to(lambda t, d: _signed_drafter(t, d)), 2,
+         r"config error: --out .*export holds a drafter export already; pass --overwrite to replace it"),
+    Case("eval: truncated drafter weights", _truncated_export, 1,
+         r"checkpoint error: .*export/model.safetensors is not a readable safetensors file \(.*incomplete "
+         r"metadata"),
+    Case("eval: drafter for another vocabulary", _drafter_on(_wider_vocabulary), 1,
+         r"checkpoint error: --drafter .*export does not fit the target .*wider: drafter/target mismatch: "
+         r"vocabulary: the drafter was trained for 49152 tokens, the target has 49664"),
+    Case("generate: drafter for another vocabulary", _drafter_on(_wider_vocabulary, "generate"), 1,
+         r"checkpoint error: --drafter .*export does not fit the target .*wider: drafter/target mismatch: "
+         r"vocabulary: the drafter was trained for 49152 tokens"),
+    Case("eval: drafter for another chat template", _drafter_on(_other_template), 1,
+         r"checkpoint error: --drafter .*export does not fit the target .*other-template: drafter/target "
+         r"mismatch: tokenizer: the chat template differs"),
+    Case("train: resume on a target whose tokenizer changed", _resume_on_another_tokenizer, 2,
+         r"checkpoint error: checkpoint.resume=.*step-1 does not fit the target .*target-copy: drafter/target "
+         r"mismatch: tokenizer: pad_token_id 2 \(drafter's target\) vs 0 \(this target\); resume with the "
+         r"target it was trained on"),
+    # --- nothing overwritten or resumed silently; one writer per folder; disk errors ---
+    Case("train: fresh run over an earlier run's checkpoints", _earlier_checkpoints, 2,
+         r"checkpoint error: run folder .*run holds an earlier run \(checkpoints step-2, step-4\); "
+         r"continue it with --resume auto \(checkpoint.resume=auto\), start over with --overwrite"),
+    Case("train: --overwrite with --resume", lambda t, d: [
+        "train", "--overwrite", *train_args(t, d, make_chat_jsonl(d / "chat.jsonl", num=8))[1:],
+        "checkpoint.resume=auto"], 2,
+         r"config error: --overwrite starts the run in .*run over; it cannot be combined with "
+         r"checkpoint.resume=auto"),
+    Case("train: resume=auto over damaged checkpoints only", _damaged_checkpoints_only, 2,
+         r"checkpoint error: checkpoint.resume=auto: no complete checkpoint in .*checkpoints, but it "
+         r"holds step-2, latest \(damaged or partial"),
+    Case("train: resume after the data file was edited in place", _data_edited_in_place, 2,
+         r"checkpoint error: cannot resume from .*step-1: the training data changed since the "
+         r"checkpoint: its token store held 8 samples with content sha256 [0-9a-f]{16} .*, the data "
+         r"now gives 12 samples"),
+    Case("train: run folder in use by another process", _run_dir_in_use, 1,
+         r"lock error: run folder .*run is in use by pid \d+ on .*; wait for it to finish or stop "
+         r"it, or choose another run_dir"),
+    Case("train: run_dir is a file", _a_file_at("run", "train"), 1,
+         r"disk error: cannot write .*run: it is a file, not a folder; choose another run_dir"),
+    Case("prepare: data.cache_dir is a file", _a_file_at("cache", "prepare"), 1,
+         r"disk error: cannot write .*cache: it is a file, not a folder; choose another "
+         r"data.cache_dir"),
 ]
 
 

@@ -1,6 +1,7 @@
 """Checkpoint files: atomic, validated, retained, and safe against SIGKILL mid-write."""
 
 import errno
+import json
 import os
 import random
 import shutil
@@ -11,12 +12,14 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from dflash_trainer.checkpoint import (
-    CheckpointError, Checkpointer, SaveRequest, find_resume_checkpoint, load_state,
-    resolve_resume, snapshot, validate_checkpoint)
+    CheckpointError, Checkpointer, ResumeError, SaveRequest, checkpoint_names,
+    find_resume_checkpoint, load_state, resolve_resume, snapshot, validate_checkpoint)
+from dflash_trainer.data.cache import TokenStore
 from dflash_trainer.errors import DiskError
 
 
@@ -145,3 +148,38 @@ def test_sigkill_during_writes_never_breaks_latest(tmp_path: Path):
         validate_checkpoint(ckpt / (ckpt / "latest").read_text().strip())
         last = state["step"]
     assert last > 0, "no checkpoint ever completed"
+
+
+def test_resume_auto_refuses_to_start_fresh_over_damaged_checkpoints(tmp_path: Path):
+    ck = Checkpointer(tmp_path, keep_last=5, async_save=False)
+    ck.save(_request(2))
+    ck.close()
+    (tmp_path / "step-2" / "state.pt").write_bytes(b"damaged")
+    assert checkpoint_names(tmp_path) == ["step-2", "latest"]
+    with pytest.raises(ResumeError, match=r"checkpoint.resume=auto: no complete checkpoint in .*, "
+                                          r"but it holds step-2, latest \(damaged or partial"):
+        resolve_resume("auto", tmp_path)
+    assert checkpoint_names(tmp_path / "none") == []
+
+
+def test_the_token_store_hash_is_its_content_whatever_the_path(tmp_path: Path):
+    """What a resume compares: the same samples give the same hash in any folder; a changed
+    token, mask bit or sample boundary changes it; a store written before the hash existed
+    gets the same value from its files."""
+    def build(folder: Path, samples: list[list[int]], masks: list[list[int]] | None = None):
+        def fill(writer):
+            for i, ids in enumerate(samples):
+                writer.add(np.asarray(ids), np.asarray(masks[i] if masks else [1] * len(ids)))
+            return {}
+        return TokenStore.build(folder, fill)
+
+    a = build(tmp_path / "a", [[1, 2, 3], [4, 5]])
+    assert build(tmp_path / "b", [[1, 2, 3], [4, 5]]).content_hash == a.content_hash
+    others = [build(tmp_path / "c", [[1, 2, 3], [4, 6]]),
+              build(tmp_path / "d", [[1, 2], [3, 4, 5]]),
+              build(tmp_path / "e", [[1, 2, 3], [4, 5]], masks=[[1, 1, 0], [1, 1]])]
+    assert len({a.content_hash, *(o.content_hash for o in others)}) == 4
+    meta = json.loads((tmp_path / "a" / "meta.json").read_text())
+    del meta["content_sha256"]
+    (tmp_path / "a" / "meta.json").write_text(json.dumps(meta))
+    assert TokenStore(tmp_path / "a").content_hash == a.content_hash

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from dflash_trainer.cli import main as cli_main
-from dflash_trainer.config import Config, ConfigError, load_config, save_config
+from dflash_trainer.config import Config, ConfigError, TrainingConfig, load_config, save_config
 
 
 def test_defaults_follow_the_reference_recipe():
@@ -38,7 +38,15 @@ def test_yaml_and_overrides(tmp_path: Path):
     ("model.num_layers=1.5", "model.num_layers: expected an integer"),
     ("model.attention=fast", "accepted values: 'auto', 'sdpa', 'blockwise', 'flex'"),
     ("training.betas=[0.9]", "training.betas: expected 2 values"),
-    ("model.block_size=1", "model.block_size must be >= 2"),
+    ("model.block_size=1", "model.block_size must be in [2, 256], got 1"),
+    ("training.lr=inf", "training.lr must be in (0, 1], got inf"),
+    ("training.lr=.nan", "training.lr must be in (0, 1], got nan"),
+    ("training.max_steps=0", "training.max_steps must be in [1, 1_000_000_000], or none for no limit"),
+    ("training.betas=[1.5, 0.9]", "training.betas[0] must be in [0, 1), got 1.5"),
+    ("training.betas=[0.9, .nan]", "training.betas[1] must be in [0, 1), got nan"),
+    ("model.target_layer_ids=[0, x]", "model.target_layer_ids[1]: expected an integer, got 'x'"),
+    ("training.gamma=0", "training.gamma must be > 0, or none for the reference value"),
+    ("data.paths=[a.jsonl, ' ']", "data.paths[1] must not be empty or only whitespace"),
     ("pipeline.tokens_per_batch=10", "pipeline.tokens_per_batch"),
     ("training.lr", "must look like section.key=value"),
 ])
@@ -46,6 +54,18 @@ def test_errors_name_the_key(override: str, fragment: str):
     with pytest.raises(ConfigError, match=None) as info:
         load_config(None, [override])
     assert fragment in str(info.value)
+
+
+def test_none_unsets_and_zero_is_a_value():
+    cfg = load_config(None, ["training.max_steps=none", "eval.num_prompts=None", "training.warmup_steps=0"])
+    assert cfg.training.max_steps is None and cfg.eval.num_prompts is None
+    assert cfg.training.warmup_steps == 0
+    assert load_config(None, ["training.max_steps=1_000"]).training.max_steps == 1000
+
+
+def test_ranges_hold_for_configs_built_in_code():
+    with pytest.raises(ConfigError, match=r"^training.lr must be in \(0, 1\], got inf$"):
+        Config(training=TrainingConfig(lr=float("inf")))
 
 
 def test_missing_file_and_bad_yaml(tmp_path: Path):

@@ -1,29 +1,26 @@
-"""The demo's evaluations run on every core and hand the training split back after; the dtype
-choice is shown on the console."""
+"""The demo's table shows each speedup with its reliability mark; the dtype choice is shown on
+the console."""
 
 from __future__ import annotations
 
 import logging
-import os
 
-import pytest
-import torch
-
-from dflash_trainer.demo import _all_cores, _console_info
+from dflash_trainer.demo import _console_info, _results_table
+from dflash_trainer.speedup import LoadSample, PairedTiming, SpeedupMeasurement
 
 
-def test_evaluations_get_every_core_and_the_training_split_comes_back():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with _all_cores():
-            assert torch.get_num_threads() == max(1, os.cpu_count() or 1)
-        assert torch.get_num_threads() == 1
-        with pytest.raises(RuntimeError), _all_cores():
-            raise RuntimeError("an evaluation failed")
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
+def test_an_unreliable_speedup_is_marked_in_the_table():
+    timing = PairedTiming(index=0, target_first=True, threads=2, target_s=6.0, target_tokens=63, spec_s=7.5,
+                          spec_tokens=63, spec_steps=50)
+    quiet, loaded = LoadSample(load_1m=0.2, others_running=0.0), LoadSample(load_1m=4.1, others_running=1.5)
+    untrained = SpeedupMeasurement.from_pairs([timing], threads=2, cpus=2, before=quiet, after=quiet)
+    trained = SpeedupMeasurement.from_pairs([timing], threads=2, cpus=2, before=quiet, after=loaded)
+    metrics = {"eval/tau": 1.0, "eval/lossless": 1}
+    lines = _results_table(metrics, {"eval/tau": 1.282, "eval/lossless": 1}, (untrained, trained)).splitlines()
+    assert lines[2].split() == ["decode", "speedup", "(CPU)", "0.800", "0.800", "(unreliable)"]
+    assert len({len(line) for line in lines[:4]}) == 1  # the trained column widened for the mark
+    assert lines[4:] == ["  trained speedup unreliable: busy: load 2.1 from other work beside 2 eval threads "
+                         "on 2 cores"]
 
 
 def test_the_dtype_choice_is_printed_once_and_the_logger_is_restored(capsys):

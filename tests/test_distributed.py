@@ -74,7 +74,7 @@ def test_option_errors_are_clear(monkeypatch):
     with pytest.raises(ValueError, match="eval.every_steps"):
         check_distributed_options(DistributedConfig(target="fsdp"), two, in_training_eval=True)
     check_distributed_options(DistributedConfig(), two, in_training_eval=True)
-    with pytest.raises(ValueError, match="distributed.timeout_s must be > 0"):
+    with pytest.raises(ValueError, match=r"distributed.timeout_s must be in \(0, "):
         load_config(None, ["distributed.timeout_s=0"])
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="nccl needs CUDA"):

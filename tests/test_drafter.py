@@ -1,5 +1,6 @@
 """Drafter module: config from the target, parameters, init scale, training == inference, spec_generate."""
 
+import copy
 import math
 
 import pytest
@@ -7,10 +8,12 @@ import torch
 from torch.nn import functional as F
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config
 
+from dflash_trainer import assets
 from dflash_trainer.config import ModelConfig
+from dflash_trainer.errors import ConfigError
 from dflash_trainer.model.blocks import build_block_inputs, dense_block_mask, position_ids, sample_anchors
-from dflash_trainer.model.drafter import (build_drafter, build_drafter_config, check_compatible,
-                                          default_target_layer_ids, init_from_target)
+from dflash_trainer.model.drafter import (SIGNATURE_KEY, build_drafter, build_drafter_config, check_compatible,
+                                          default_target_layer_ids, init_from_target, tokenizer_signature)
 from dflash_trainer.model.modeling import dflash as dflash_module
 from dflash_trainer.model.objective import DFlashObjective
 from dflash_trainer.model.target import FeatureExtractor
@@ -70,8 +73,81 @@ def test_config_errors_are_clear():
     with pytest.raises(ValueError, match="outside the target's embedding table"):
         build_drafter_config(ModelConfig(), target, mask_token_id=V)
     drafter_cfg = build_drafter_config(ModelConfig(), target, mask_token_id=1)
-    with pytest.raises(ValueError, match="hidden_size 64 != target hidden_size 32"):
+    with pytest.raises(ConfigError, match="hidden size: drafter 64, target 32"):
         check_compatible(drafter_cfg, tiny_llama(hidden_size=32))
+
+
+def test_heads_that_do_not_divide_the_kv_heads_name_both_keys():
+    with pytest.raises(ConfigError, match=r"3 attention heads \(model.num_attention_heads\) are not a "
+                                          r"multiple of its 2 key/value heads \(model.num_key_value_heads, "
+                                          r"from the target\)"):
+        build_drafter_config(ModelConfig(num_attention_heads=3), tiny_llama(), mask_token_id=1)
+    with pytest.raises(ConfigError, match=r"4 attention heads \(model.num_attention_heads, from the "
+                                          r"target\) are not a multiple of its 3 key/value heads"):
+        build_drafter_config(ModelConfig(num_key_value_heads=3), tiny_llama(), mask_token_id=1)
+
+
+def test_init_from_target_with_more_layers_than_the_target_is_a_config_error():
+    target = LlamaForCausalLM(tiny_llama(num_hidden_layers=2))
+    drafter = build_drafter(ModelConfig(num_layers=3, target_layer_ids=[0]), target.config, mask_token_id=1)
+    with pytest.raises(ConfigError, match=r"drafter has 3 layers \(model.num_layers\) and the target only 2"):
+        init_from_target(drafter, target)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return assets.load_tokenizer(assets.resolve_target("smollm2"))
+
+
+def changed(tokenizer, **attributes):
+    """A copy of a real tokenizer with some tokens or the chat template replaced."""
+    other = copy.deepcopy(tokenizer)
+    for name, value in attributes.items():
+        setattr(other, name, value)
+    return other
+
+
+def test_the_config_records_the_target_and_its_tokenizer(tokenizer):
+    cfg = build_drafter_config(ModelConfig(), tiny_llama(), mask_token_id=1, tokenizer=tokenizer)
+    signature = getattr(cfg, SIGNATURE_KEY)
+    assert signature["vocab_size"] == V and signature["hidden_size"] == H
+    assert signature["tokenizer"] == tokenizer_signature(tokenizer)
+    assert (signature["tokenizer"]["bos_token_id"], signature["tokenizer"]["eos_token_id"],
+            signature["tokenizer"]["pad_token_id"], signature["tokenizer"]["mask_token_id"]) == (1, 2, 2, None)
+    assert len(signature["tokenizer"]["sha256"]) == 64
+    without = build_drafter_config(ModelConfig(), tiny_llama(), mask_token_id=1)
+    assert getattr(without, SIGNATURE_KEY) == {"vocab_size": V, "hidden_size": H}
+
+
+def test_a_target_with_another_vocabulary_is_refused():
+    """The issue's case: a drafter for a 49,152-token vocabulary against 49,664 rows."""
+    cfg = build_drafter_config(ModelConfig(), tiny_llama(vocab_size=49152), mask_token_id=1)
+    with pytest.raises(ConfigError, match=r"vocabulary: the drafter was trained for 49152 tokens, the "
+                                          r"target has 49664"):
+        check_compatible(cfg, tiny_llama(vocab_size=49664))
+
+
+@pytest.mark.parametrize(("attributes", "message"), [
+    (dict(chat_template="{{ messages }}"), "tokenizer: the chat template differs"),
+    (dict(eos_token="<|im_start|>"), r"tokenizer: eos_token_id 2 \(drafter's target\) vs 1 \(this target\)"),
+    (dict(pad_token="<|endoftext|>", bos_token="<|im_end|>"),
+     r"tokenizer: bos_token_id 1 .* vs 2 .*, pad_token_id 2 .* vs 0"),
+    (dict(mask_token="<empty_output>"), r"tokenizer: mask_token_id None \(drafter's target\) vs 16"),
+])
+def test_a_tokenizer_that_differs_is_named(tokenizer, attributes, message):
+    cfg = build_drafter_config(ModelConfig(), tiny_llama(), mask_token_id=1, tokenizer=tokenizer)
+    check_compatible(cfg, tiny_llama(), tokenizer=copy.deepcopy(tokenizer))
+    with pytest.raises(ConfigError, match=message):
+        check_compatible(cfg, tiny_llama(), tokenizer=changed(tokenizer, **attributes))
+
+
+def test_a_drafter_without_a_recorded_tokenizer_is_checked_on_shapes_only(tokenizer):
+    """Exports written before the signature existed still load; their shapes are still checked."""
+    cfg = build_drafter_config(ModelConfig(), tiny_llama(), mask_token_id=1, tokenizer=tokenizer)
+    delattr(cfg, SIGNATURE_KEY)
+    check_compatible(cfg, tiny_llama(), tokenizer=changed(tokenizer, chat_template="anything"))
+    with pytest.raises(ConfigError, match="vocabulary"):
+        check_compatible(cfg, tiny_llama(vocab_size=V + 64), tokenizer=tokenizer)
 
 
 def test_parameters_are_draft_only_and_fresh():

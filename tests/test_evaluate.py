@@ -202,7 +202,8 @@ def test_in_training_eval(target, prompt, greedy, trained_drafter):
     assert (BLOCK + 1) / 2 - 1.5 < metrics["eval/tau"] < BLOCK
     random_metrics = evaluator(fresh_drafter(target))
     assert random_metrics["eval/lossless"] == 1 and random_metrics["eval/tau"] < 1.3
-    assert random_metrics["eval/speedup"] > 0
+    assert random_metrics["eval/speedup"] > 0 and random_metrics["eval/speedup_reliable"] in (0, 1)
+    assert evaluator.last_speedup.pairs == 2 and evaluator.last_speedup.speedup == random_metrics["eval/speedup"]
 
 
 @pytest.mark.slow
@@ -246,9 +247,9 @@ def test_mismatch_is_reported_with_position():
     result = request_result(prompt, 0, 10, baseline, spec_out, temperature=0.0)
     assert result.lossless is False and result.first_mismatch["position"] == 2
     assert result.first_mismatch["speculative"]["token"] == 9 and result.first_mismatch["target"]["token"] == 7
-    assert result.speedup == pytest.approx(3.0)
+    assert result.speedup is None  # decodes not timed side by side give no speedup
     summary = summarize([result], block_size=4, temperature=0.0)
-    assert summary["lossless"] is False and summary["lossless_failures"] == 1
+    assert summary["lossless"] is False and summary["lossless_failures"] == 1 and summary["speedup"] is None
     summary["max_new_tokens"] = 4
     text = io.StringIO()
     print_summary(EvalReport(summary=summary, requests=[result]), file=text)
@@ -301,6 +302,8 @@ def test_eval_command_on_smollm2_mtbench(tmp_path):
     assert results["lossless"] is True and results["requests"] == 4 and results["prompts"] == 2
     assert 1.0 <= results["tau"] < 1.2
     assert len(results["acceptance_hist"]) == 16 and results["speedup"] > 0
+    assert isinstance(results["speedup_reliable"], bool) and results["speedup_measurement"]["pairs"] == 4
+    assert [r["target_first"] for r in results["per_prompt"]] == [True, False, True, False]
     assert results["stop_token_ids"] == [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     first, second = results["per_prompt"][:2]
     assert (first["turn"], second["turn"]) == (0, 1) and first["id"] == second["id"]
@@ -318,15 +321,23 @@ def test_eval_command_on_smollm2_mtbench(tmp_path):
 
 
 def test_report_roundtrip_of_outputs(tmp_path):
-    result = request_result(EvalPrompt(id="a", turns=["t"]), 0, 3, Decoded(tokens=[1, 2, 3], prefill_s=0, decode_s=1),
-                            Decoded(tokens=[1, 2, 3], prefill_s=0, decode_s=0.5, acceptance_lengths=[2]),
-                            temperature=0.0)
-    summary = summarize([result], block_size=4, temperature=0.0)
+    from dflash_trainer.speedup import MachineProbe, PairedTimer
+
+    quiet = MachineProbe(cpus=lambda: 2, load_average=lambda: 0.5, others_running=lambda: 0.0)
+    with PairedTimer(probe=quiet).run() as run:
+        baseline, spec_out, timing = run.pair(
+            lambda clock: Decoded(tokens=[1, 2, 3], prefill_s=0, decode_s=1),
+            lambda clock: Decoded(tokens=[1, 2, 3], prefill_s=0, decode_s=0.5, acceptance_lengths=[2]))
+    result = request_result(EvalPrompt(id="a", turns=["t"]), 0, 3, baseline, spec_out, temperature=0.0, timing=timing)
+    summary = summarize([result], block_size=4, temperature=0.0, speedup=run.measurement)
     summary["max_new_tokens"] = 3
     json_path, png_path = write_results(EvalReport(summary=summary, requests=[result]), tmp_path)
     data = json.loads(json_path.read_text())
     assert data["tau"] == 2.0 and data["acceptance_hist"] == [0, 1, 0, 0]
     assert data["per_prompt"][0]["lossless"] is True and data["speedup"] == pytest.approx(2.0)
+    assert data["per_prompt"][0]["speedup"] == pytest.approx(2.0) and data["per_prompt"][0]["target_first"] is True
+    assert data["speedup_reliable"] is True and data["speedup_unreliable_reasons"] == []
+    assert data["speedup_measurement"]["torch_threads"] == 2 and data["speedup_measurement"]["load_1m_after"] == 0.5
     assert png_path.read_bytes()[:4] == b"\x89PNG"
 
 

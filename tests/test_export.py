@@ -13,11 +13,12 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig
 
+from dflash_trainer import assets
 from dflash_trainer.checkpoint import Checkpointer, SaveRequest
 from dflash_trainer.config import ModelConfig, load_config
-from dflash_trainer.errors import CheckpointError
+from dflash_trainer.errors import CheckpointError, ConfigError
 from dflash_trainer.model import export
-from dflash_trainer.model.drafter import build_drafter
+from dflash_trainer.model.drafter import SIGNATURE_KEY, build_drafter, tokenizer_signature
 
 H, V, BLOCK = 64, 256, 4
 
@@ -27,10 +28,14 @@ def target_config() -> LlamaConfig:
                        intermediate_size=128, vocab_size=V, rope_theta=100000.0, tie_word_embeddings=True)
 
 
+def tokenizer():
+    return assets.load_tokenizer(assets.resolve_target("smollm2"))
+
+
 def trained_drafter():
     torch.manual_seed(0)
     drafter = build_drafter(ModelConfig(num_layers=2, block_size=BLOCK, target_layer_ids=[1, 3, 4]),
-                            target_config(), mask_token_id=9)
+                            target_config(), mask_token_id=9, tokenizer=tokenizer())
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -56,6 +61,7 @@ def test_files_config_and_weights(tmp_path):
     assert cfg["rope_theta"] == 100000.0 and cfg["rope_parameters"]["rope_theta"] == 100000.0
     assert cfg["layer_types"] == ["full_attention"] * 2 and cfg["head_dim"] == 16
     assert cfg["hidden_act"] == "silu" and cfg["tie_word_embeddings"] is False and cfg["dtype"] == "bfloat16"
+    assert cfg[SIGNATURE_KEY] == {"vocab_size": V, "hidden_size": H, "tokenizer": tokenizer_signature(tokenizer())}
     with safe_open(out / "model.safetensors", "pt") as f:
         keys = set(f.keys())
         assert f.get_tensor("fc.weight").shape == (H, 3 * H) and f.get_tensor("fc.weight").dtype == torch.bfloat16
@@ -71,6 +77,10 @@ def test_round_trip_gives_identical_outputs(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(**inputs()), drafter(**inputs()), atol=0, rtol=0)
     assert loaded.target_layer_ids == [1, 3, 4] and loaded.mask_token_id == 9 and loaded.block_size == BLOCK
+    # The target's signature travels through a load and a second export (export from a checkpoint).
+    again = export.export_drafter(loaded, tmp_path / "again", dtype=torch.float32)
+    assert (json.loads((again / "config.json").read_text())[SIGNATURE_KEY]
+            == json.loads((out / "config.json").read_text())[SIGNATURE_KEY])
 
 
 def test_replaces_a_previous_export_but_not_other_folders(tmp_path):
@@ -81,9 +91,13 @@ def test_replaces_a_previous_export_but_not_other_folders(tmp_path):
     other = tmp_path / "mine"
     other.mkdir()
     (other / "notes.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="not a drafter export"):
+    with pytest.raises(ConfigError, match=r"holds other files \(notes.txt\), not a drafter export"):
         export.export_drafter(drafter, other)
     assert (other / "notes.txt").read_text() == "keep me"
+    (tmp_path / "file").write_text("keep me too")
+    with pytest.raises(ConfigError, match="is an existing file, not a folder"):
+        export.export_drafter(drafter, tmp_path / "file")
+    assert (tmp_path / "file").read_text() == "keep me too"
 
 
 @pytest.mark.slow
@@ -123,7 +137,8 @@ def _checkpoint(tmp_path: Path, drafter) -> Path:
 def test_cli_main_from_a_checkpoint_verifies_its_manifest(tmp_path, capsys):
     drafter = trained_drafter()
     ckpt = _checkpoint(tmp_path, drafter)
-    code = export.main(load_config(), argparse.Namespace(checkpoint=str(ckpt), out=str(tmp_path / "out")))
+    code = export.main(load_config(), argparse.Namespace(checkpoint=str(ckpt), out=str(tmp_path / "out"),
+                                                         overwrite=False))
     assert code == 0 and "exported drafter" in capsys.readouterr().out
     loaded = export.load_drafter(tmp_path / "out")
     with torch.no_grad():  # bf16 export: close, not identical
@@ -147,3 +162,60 @@ def test_load_reports_missing_weights(tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="layers.2.* missing from the file"):
         export.load_drafter(out)
+
+
+def test_export_command_writes_only_new_or_empty_folders_or_overwrites_on_request(tmp_path, capsys):
+    ckpt = _checkpoint(tmp_path, trained_drafter())
+
+    def run(out, overwrite=False):
+        return export.main(load_config(), argparse.Namespace(checkpoint=str(ckpt), out=str(out),
+                                                             overwrite=overwrite))
+
+    (tmp_path / "empty").mkdir()
+    assert run(tmp_path / "empty") == 0
+    with pytest.raises(ConfigError, match=r"--out .*empty holds a drafter export already; pass --overwrite"):
+        run(tmp_path / "empty")
+    assert run(tmp_path / "empty", overwrite=True) == 0
+    (tmp_path / "a.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=r"--out .*a.txt is an existing file"):
+        run(tmp_path / "a.txt", overwrite=True)
+    with pytest.raises(ConfigError, match=r"--out .* is a folder that holds other files \(a.txt, checkpoints, "
+                                          r"empty\), not a drafter export"):
+        run(tmp_path, overwrite=True)
+    with pytest.raises(ConfigError, match="is inside the checkpoint"):
+        run(ckpt / "drafter", overwrite=True)
+    assert (tmp_path / "a.txt").read_text() == "mine"
+
+
+def test_a_truncated_or_damaged_export_is_refused_by_name(tmp_path):
+    out = export.export_drafter(trained_drafter(), tmp_path / "d", dtype=torch.float32)
+    weights = out / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"d/model.safetensors is not a readable safetensors file "
+                                              r"\(.*incomplete metadata"):
+        export.load_drafter(out)
+    weights.write_bytes(data[:8] + b"{not json" + data[17:])  # the JSON header damaged
+    with pytest.raises(CheckpointError, match=r"d/model.safetensors is not a readable safetensors file"):
+        export.load_drafter(out)
+    (out / "config.json").write_text("{oops")
+    with pytest.raises(CheckpointError, match=r"d/config.json is not a valid drafter config"):
+        export.read_drafter_config(out)
+
+
+def test_serve_check_refuses_a_drafter_for_another_target_before_any_server(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import serve_check
+
+    target = assets.resolve_target("smollm2")
+    drafter = build_drafter(ModelConfig(num_layers=1, block_size=BLOCK, target_layer_ids=[1]),
+                            LlamaConfig.from_pretrained(target), mask_token_id=9, tokenizer=tokenizer())
+    out = export.export_drafter(drafter, tmp_path / "d")
+    serve_check.check_agreement(out, target)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg[SIGNATURE_KEY]["tokenizer"]["chat_template_sha256"] = "0" * 64
+    cfg[SIGNATURE_KEY]["tokenizer"]["sha256"] = "0" * 64
+    (out / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"the drafter .*d does not fit the target .*: drafter/target "
+                                              r"mismatch: tokenizer: the chat template differs"):
+        serve_check.check_agreement(out, target)

@@ -199,3 +199,73 @@ def test_missing_path_and_unsupported_file(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="contains no"):
         expand_paths([str(tmp_path / "empty")])
+
+
+# --- broken dataset folders and files: one DataError line naming the file --------------------------
+
+def test_a_damaged_datasets_folder_is_named(tmp_path):
+    rows = [SHAREGPT, {"id": "y", "conversations": SHAREGPT["conversations"][1:]}]
+    _save_to_disk(tmp_path / "ds", rows)
+    state = tmp_path / "ds" / "state.json"
+    good = state.read_text()
+    state.write_text(good[:-10])  # cut off, as by a copy that did not finish
+    with pytest.raises(DataError, match=r"ds/state.json: not readable JSON \(.*\); the datasets folder is "
+                                        r"damaged: save it again with save_to_disk"):
+        expand_paths([str(tmp_path / "ds")])
+    for files in ('[{"name": "data-00000-of-00002.arrow"}]', "5", '["data-00000-of-00002.arrow"]'):
+        state.write_text(f'{{"_data_files": {files}}}')
+        with pytest.raises(DataError, match=r"'_data_files' is not a list of \{\"filename\": \.\.\.\} entries"):
+            expand_paths([str(tmp_path / "ds")])
+    state.write_text(good)
+    (tmp_path / "ds" / "data-00001-of-00002.arrow").unlink()
+    with pytest.raises(DataError, match=r"state.json names data-00001-of-00002.arrow, which is missing"):
+        expand_paths([str(tmp_path / "ds")])
+    _save_to_disk(tmp_path / "dd" / "train", rows)
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train", ')
+    with pytest.raises(DataError, match=r"dd/dataset_dict.json: not readable JSON"):
+        expand_paths([str(tmp_path / "dd")])
+
+
+def test_arrow_and_parquet_files_damaged_after_their_header_are_named(tmp_path):
+    table = pa.Table.from_pylist([{"messages": CHAT}] * 40)
+    stream = tmp_path / "d.arrow"
+    with pa.ipc.new_stream(stream, table.schema) as writer:
+        for start in range(0, 40, 10):
+            writer.write_table(table.slice(start, 10))
+    data = stream.read_bytes()
+    stream.write_bytes(data[:len(data) * 3 // 4])  # the last batch cut off
+    with pytest.raises(DataError, match=r"d.arrow: the Arrow data is damaged or truncated after record "
+                                        r"\d+ \(.*\); write the file again"):
+        _read(stream)
+    parquet = tmp_path / "d.parquet"
+    pq.write_table(table, parquet)
+    parquet.write_bytes(parquet.read_bytes()[:200])
+    with pytest.raises(DataError, match=r"d.parquet: not a readable Parquet file"):
+        _read(parquet)
+
+
+@pytest.mark.parametrize("record", [{"messages": CHAT}, {"data": [{"messages": CHAT}]}])
+def test_a_pretty_printed_json_object_is_refused_with_the_accepted_layouts(tmp_path, record):
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps(record, indent=2))
+    with pytest.raises(DataError, match=r"one.json:1: not a JSON array, and its first line is not a complete "
+                                        r"JSON object .*accepted layouts: JSON Lines \(one JSON object per "
+                                        r"line\), a JSON array of objects"):
+        _read(path, on_error="skip")
+    path.write_text(json.dumps([record], indent=2))  # the same inside [ ] is read
+    assert len(_read(path, on_error="skip")) == 1
+
+
+def test_a_json_file_of_json_lines_with_a_bad_first_record_is_one_malformed_record(tmp_path):
+    path = _write_jsonl(tmp_path / "lines.json", ['{"messages": oops}', {"messages": CHAT}])
+    first, second = _read(path, on_error="skip")
+    assert isinstance(first, Rejected) and "invalid JSON" in first.message
+    assert isinstance(second, Conversation)
+
+
+def test_a_pretty_printed_jsonl_file_says_so(tmp_path):
+    path = tmp_path / "pretty.jsonl"
+    path.write_text(json.dumps({"messages": CHAT}, indent=2) + "\n")
+    with pytest.raises(DataError, match=r"pretty.jsonl:1 \(record 0\): invalid JSON: .*; the file looks "
+                                        r"pretty-printed, but JSON Lines needs one whole object per line"):
+        _read(path)

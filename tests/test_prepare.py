@@ -56,8 +56,8 @@ def test_build_counts_every_drop_reason_and_stores_the_samples(tmp_path, data, s
     cfg = _cfg(tmp_path, data)
     store, stats = build_dataset(cfg, tokenizer=smol, log=None)
     assert stats.heldout == 2 and stats.records_read == 8
-    assert stats.dropped == {"malformed": 1, "empty": 1, "no_assistant": 1, "too_short": 1,
-                             "too_long": 1}
+    assert stats.dropped == {"malformed": 1, "empty": 1, "no_assistant": 1, "empty_answer": 0,
+                             "too_short": 1, "too_long": 1}
     assert stats.kept == len(store) == 3
     assert "chats.jsonl:8 (record 7): invalid JSON" in stats.examples["malformed"][0]
     chat = ChatTokenizer(smol, TokenizeOptions.from_config(cfg))
@@ -72,6 +72,35 @@ def test_build_counts_every_drop_reason_and_stores_the_samples(tmp_path, data, s
     for label in ("records read", "kept", "malformed", "empty conversation", "no assistant turn",
                   "too short", "too long", "supervised tokens", "#"):
         assert label in report
+
+
+def test_empty_answers_are_dropped_or_left_unsupervised_and_counted(tmp_path, smol):
+    partial = {"messages": [{"role": "user", "content": "q3"}, {"role": "assistant", "content": " "},
+                            {"role": "user", "content": "again"}, {"role": "assistant", "content": LONG}]}
+    both_empty = {"messages": [{"role": "user", "content": "q2"}, {"role": "assistant", "content": ""},
+                               {"role": "user", "content": "again"}, {"role": "assistant", "content": "\n\t"}]}
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [_chat("q0", LONG), _chat("q1", "   "), both_empty,
+                                                           partial]))
+    cfg = load_config(None, [f"data.paths=[{path}]", f"data.cache_dir={tmp_path / 'cache'}",
+                             "data.heldout_samples=0", "data.min_supervised_tokens=8"])
+    store, stats = build_dataset(cfg, tokenizer=smol, log=None)
+    assert stats.records_read == 4 and stats.kept == len(store) == 2
+    assert stats.dropped["empty_answer"] == 2 and sum(stats.dropped.values()) == 2
+    assert stats.empty_answers == 1
+    assert stats.summary() == ("4 records read (+0 held out), 2 kept, 2 dropped (empty answers 2), "
+                               "0 truncated to data.max_length, 1 empty answers unsupervised")
+    dropped = [json.loads(line) for line in (store.path / "dropped.jsonl").read_text().splitlines()]
+    assert dropped == [
+        {"reason": "empty_answer", "message": f"{path}:2 (record 1): every assistant answer is empty or "
+                                              "whitespace (it would teach the drafter to end the turn at once)"},
+        {"reason": "empty_answer", "message": f"{path}:3 (record 2): every assistant answer is empty or "
+                                              "whitespace (it would teach the drafter to end the turn at once)"}]
+    ids, mask = store[1]  # the partial one: only its real answer is supervised
+    assert smol.decode(ids[mask.astype(bool)].tolist()) == LONG + "<|im_end|>\n"
+    report = format_report(stats, store, cfg.data.max_length)
+    assert "  empty answers                  2" in report
+    assert "empty answers unsupervised     1" in report
 
 
 def test_unchanged_input_reuses_the_store_without_tokenizing(tmp_path, data, smol, monkeypatch):

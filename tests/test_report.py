@@ -191,6 +191,28 @@ def test_first_screen_answers_and_captions(run_dir: Path):
     assert "2 (configured max_run 2, order interleave" in text
 
 
+def test_speedup_shows_its_reliability(run_dir: Path):
+    """A speedup the evaluation marked unreliable says so on the first screen and in the
+    evaluation table; one from a file without the mark (older runs) says it was not recorded."""
+    reasons = ["busy: load 2.3 from other work beside 2 eval threads on 2 cores"]
+    (run_dir / "eval" / "mtbench.json").write_text(json.dumps({
+        "tau": 1.28, "acceptance_hist": [10, 5, 1, 0], "speedup": 0.7849, "speedup_reliable": False,
+        "speedup_unreliable_reasons": reasons,
+        "speedup_measurement": {"pairs": 8, "torch_threads": 2, "cpus": 2, "load_1m_before": 0.4,
+                                "load_1m_after": 4.3, "step_cost_scatter": 1.1, "scatter_bound": 1.5},
+        "untrained_speedup": 0.41, "untrained_speedup_reliable": True, "untrained_speedup_unreliable_reasons": []}))
+    (run_dir / "eval" / "old.json").write_text(json.dumps({"tau": 1.2, "speedup": 6.473}))
+    text = write_report(run_dir).read_text()
+    assert ("decode speedup</div><div class='value'>0.78 (unreliable)</div><div class='note'>unreliable: "
+            f"{reasons[0]} (eval/mtbench)") in text
+    assert f"<th>speedup</th><td>0.78 (unreliable: {reasons[0]})</td>" in text
+    assert "<th>untrained_speedup</th><td>0.41</td>" in text
+    assert ("<th>speedup_measurement</th><td>8 prompts side by side in alternating order, 2 torch threads on 2 "
+            "cores, 1-min load 0.40 before and 4.30 after, step-cost scatter 1.10x (bound 1.5x)</td>") in text
+    assert "<th>speedup</th><td>6.47 (reliability not recorded)</td>" in text
+    assert "speedup_unreliable_reasons" not in text  # folded into the speedup row
+
+
 def test_bucket_strip_places_every_micro_batch(tmp_path: Path):
     path = tmp_path / "metrics.jsonl"
     lines = [{"step": 2, "train/loss": 3.0, "data/step_buckets": [0, 1]},

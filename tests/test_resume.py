@@ -141,6 +141,9 @@ def test_checkpoint_holds_the_training_state_and_a_servable_drafter(runs):
     assert state["monitor"]["totals"]["train/samples_total"] > 0
     assert state["best"]["metric"] == "train/loss" and state["best"]["step"] <= STOP_AT
     assert state["world_size"] == 1
+    store = runs["first_trainer"].parts.data
+    assert state["data"] == {"sha256": store.content_hash, "store": str(store.path),
+                             "samples": len(store)}
     # The drafter folder is the z-lab export (bf16) of the same weights.
     latest = folder / (folder / "latest").read_text().strip()
     final = load_state(latest)
@@ -206,7 +209,7 @@ def test_refused_resumes_exit_2_with_the_reason(runs, setup, tmp_path: Path, cap
         (split_dir, ["checkpoint.resume=auto", "training.seed=7"], "training.seed was 42"),
         (split_dir, ["checkpoint.resume=auto", "pipeline.tokens_per_batch=512"],
          "pipeline.tokens_per_batch was 256"),
-        (split_dir, [], "holds checkpoints of an earlier run"),
+        (split_dir, [], f"run folder {split_dir} holds an earlier run (checkpoints step-"),
         (split_dir, [f"checkpoint.resume={tmp_path / 'missing'}"], "no such checkpoint"),
     ]
     for run_dir, extra, message in cases:
@@ -240,3 +243,61 @@ def test_corrupt_latest_checkpoint_is_skipped_by_the_trainer(runs, setup, tmp_pa
     full = by_step(metrics(runs["full_dir"]), "train/loss")
     assert all(resumed[s] == full[s] for s in range(newest_valid + 1, total + 1))
     validate_checkpoint(ckpt / f"step-{total}")  # rewritten by the resumed run
+
+
+# --- nothing overwritten or resumed silently ------------------------------------------------------
+
+def _files(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*"))}
+
+
+def test_a_fresh_run_never_overwrites_an_earlier_runs_checkpoints(setup, tmp_path: Path, capsys):
+    """Checkpoints without ``latest`` (a copy, a crash before the pointer moved) count too;
+    ``--overwrite`` is the one way to start over there, and it says what it deleted."""
+    run_dir = tmp_path / "run"
+    ck = Checkpointer(run_dir / "checkpoints", keep_last=5, async_save=False)
+    for step in (2, 4):
+        ck.save(SaveRequest(step=step, state={"step": step}, rank_states={}, export=None))
+    ck.close()
+    (run_dir / "checkpoints" / "latest").unlink()
+    before = _files(run_dir)
+    assert cli_main(["train", *overrides(setup, run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert (f"checkpoint error: run folder {run_dir} holds an earlier run (checkpoints step-2, "
+            f"step-4); continue it with --resume auto (checkpoint.resume=auto), start over with "
+            f"--overwrite (deletes them), or choose another run_dir") in err
+    assert _files(run_dir) == before
+    assert cli_main(["train", "--overwrite", *overrides(setup, run_dir), "checkpoint.resume=auto"]) == 2
+    assert "--overwrite starts the run in" in capsys.readouterr().err
+    assert _files(run_dir) == before
+
+    assert cli_main(["train", "--overwrite", *overrides(setup, run_dir, "training.max_steps=1")]) == 0
+    out = capsys.readouterr().out
+    assert f"--overwrite: removed checkpoints of the earlier run in {run_dir}" in out
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest", "step-1"]
+    # The finished run is an earlier run now: a fresh start there is refused in turn.
+    assert cli_main(["train", *overrides(setup, run_dir)]) == 2
+    assert "(checkpoints step-1, latest; metrics.jsonl; drafter/)" in capsys.readouterr().err
+
+
+def test_a_resume_over_data_edited_in_place_is_refused(setup, tmp_path: Path, capsys):
+    data = make_chat_jsonl(tmp_path / "chat.jsonl", num=16)
+    args = [*tiny_run_overrides(target=setup["target"], data=data, cache=tmp_path / "cache",
+                                run_dir=tmp_path / "run"), "checkpoint.every_steps=1"]
+    assert cli_main(["train", *args, "training.max_steps=2"]) == 0
+    state = load_state(tmp_path / "run" / "checkpoints" / "step-2")
+    make_chat_jsonl(data, num=24, seed=1)  # same path, other records
+    capsys.readouterr()
+    assert cli_main(["train", *args, "checkpoint.resume=auto"]) == 2
+    err = capsys.readouterr().err
+    assert (f"checkpoint error: cannot resume from {tmp_path / 'run' / 'checkpoints' / 'step-2'}: "
+            f"the training data changed since the checkpoint: its token store held 16 samples "
+            f"with content sha256 {state['data']['sha256'][:16]} ({state['data']['store']}), the "
+            f"data now gives 24 samples with ") in err
+    assert "a file in data.paths was changed in place. Restore the data" in err
+    # The same content again, from another cache folder: the resume goes ahead.
+    make_chat_jsonl(data, num=16)
+    assert cli_main(["train", *args, "checkpoint.resume=auto", f"data.cache_dir={tmp_path / 'c2'}",
+                     "training.max_steps=3"]) == 0
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step-2'} at step 2" in capsys.readouterr().out

@@ -7,6 +7,9 @@
   sample accounting.
 - A stage that raises: ``train`` fails within 10 s with the original message, exit code 1,
   and no thread left running.
+- Every command (prepare, train before its training, eval, export, regenerate, demo, report,
+  generate) ends on SIGINT / SIGTERM with one line and exit 130 / 143, leaving no temporary
+  folder or lock file; what a SIGKILL leaves is removed by the next run.
 
 Each training process is a real OS process running the CLI's ``main`` (its own signals, exit
 code, threads). Processes are forked from a server that imported the package once
@@ -20,11 +23,13 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,7 +47,10 @@ SIGNAL_EXIT_BOUND_S = 15.0
 """Signal -> exit on this shared 2-core machine: one step + final checkpoint + export + close."""
 
 _CTX = multiprocessing.get_context("forkserver")
-_CTX.set_forkserver_preload(["dflash_trainer.cli", "dflash_trainer.train", "test_signals"])
+_CTX.set_forkserver_preload(["dflash_trainer.cli", "dflash_trainer.train", "dflash_trainer.demo",
+                             "dflash_trainer.evaluate", "dflash_trainer.generate",
+                             "dflash_trainer.data.regenerate", "dflash_trainer.report",
+                             "dflash_trainer.model.export", "test_signals"])
 
 WANDB_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
              "WANDB_BASE_URL": "http://127.0.0.1:9"}
@@ -250,3 +258,148 @@ def test_stage_failure_fails_fast_with_the_original_error_and_no_threads(
     assert proc.exitcode == 1, output
     assert "RuntimeError: injected target failure at batch 3" in output
     assert exited - float(cli_stamp.read_text()) < 10
+
+
+# --- every command, SIGINT and SIGTERM: one line, exit 128 + N, nothing half-written left --------
+
+def _hold(target: str, mode: str, stamp: str) -> None:
+    """Wrap ``module:Class.method`` (or ``module:function``) so that its first call writes
+    ``stamp`` and then waits for a signal: ``block`` before the real call, ``after`` once it
+    returned (its output exists), ``slow`` sleeps 0.2 s per call and lets every call run."""
+    import importlib
+
+    module_name, _, qualname = target.partition(":")
+    owner = importlib.import_module(module_name)
+    *path, name = qualname.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    original = getattr(owner, name)
+
+    def held(*args, **kwargs):
+        if not os.path.exists(stamp):
+            Path(stamp).write_text("reached")
+        if mode == "slow":
+            time.sleep(0.2)
+            return original(*args, **kwargs)
+        if mode == "after":
+            original(*args, **kwargs)
+        time.sleep(120)  # the signal's exception ends the wait
+        raise AssertionError("no signal came")
+
+    setattr(owner, name, held)
+
+
+def _command_child(argv: list[str], log: str, hold: tuple[str, str], stamp: str) -> None:
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    _hold(*hold, stamp)
+    from dflash_trainer.cli import main
+
+    code = main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+@pytest.fixture(scope="module")
+def finished_run(setup) -> dict[str, Path]:
+    """A short finished run (its checkpoint, exported drafter and metrics) to evaluate, export,
+    report and generate from."""
+    from dflash_trainer.cli import main
+
+    run_dir = setup["root"] / "finished"
+    assert main(["train", *overrides(setup, run_dir, "training.max_steps=2")]) == 0
+    return {"run": run_dir, "drafter": run_dir / "drafter",
+            "checkpoint": run_dir / "checkpoints" / "step-2"}
+
+
+_MODEL = "transformers.models.llama.modeling_llama:LlamaForCausalLM.forward"
+
+
+def _command_cases(setup: dict[str, Path], run: dict[str, Path], d: Path) -> dict[str, Any]:
+    """command -> (argv, what to hold, folders that must hold no temporary or lock files)."""
+    target = [f"model.target={setup['target']}", "model.dtype=float32", "pipeline.num_threads=1"]
+    eval_args = ["eval.prompts=mtbench", "eval.num_prompts=1", "eval.in_training_prompts=1",
+                 "eval.max_new_tokens=4"]
+    return {
+        "prepare": (["prepare", *overrides(setup, d / "run", f"data.cache_dir={d / 'cache'}")],
+                    ("dflash_trainer.data.cache:TokenStoreWriter.add", "block"), [d / "cache"]),
+        "train": (["train", *overrides(setup, d / "run", f"data.cache_dir={d / 'cache'}")],
+                  ("dflash_trainer.data.cache:TokenStoreWriter.add", "block"),
+                  [d / "cache", d / "run"]),
+        "eval": (["eval", "--drafter", str(run["drafter"]), "--out", str(d / "eval"), *target,
+                  *eval_args], (_MODEL, "block"), [d]),
+        "export": (["export", "--checkpoint", str(run["checkpoint"]), "--out", str(d / "out")],
+                   ("dflash_trainer.model.export:save_file", "after"), [d]),
+        "regenerate": (["regenerate", "--data", str(setup["data"]), "--out", str(d / "o.jsonl"),
+                        "--max-new-tokens", "4", "--limit", "2", *target],
+                       (_MODEL, "block"), [d]),
+        "demo": (["demo", *overrides(setup, d / "run"), *eval_args],
+                 ("dflash_trainer.pipeline.train_loop:DrafterTrainLoop.train_micro_batch", "slow"),
+                 [d / "run", d / "run" / "checkpoints"]),
+        "report": (["report", str(run["run"])], ("matplotlib.figure:Figure.savefig", "block"),
+                   [run["run"], run["run"] / "report"]),
+        "generate": (["generate", "--drafter", str(run["drafter"]), "--prompt", "hello",
+                      "--max-new-tokens", "4", *target], (_MODEL, "block"), [d]),
+    }
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("command", ["prepare", "train", "eval", "export", "regenerate", "demo",
+                                     "report", "generate"])
+def test_a_signal_ends_every_command_with_one_line_and_128_plus_n(
+        setup, finished_run, tmp_path: Path, command: str, signum: signal.Signals):
+    """docs/errors.md's signal table: SIGINT exits 130, SIGTERM 143, with one line
+    ``dflash-trainer CMD: interrupted (SIGNAME); ...``, no traceback and no temporary folder or
+    lock file left (train while it trains stops gracefully instead: the tests above)."""
+    argv, hold, clean = _command_cases(setup, finished_run, tmp_path)[command]
+    log, stamp = tmp_path / "log.txt", tmp_path / "reached"
+    proc = _CTX.Process(target=_command_child, args=(argv, str(log), hold, str(stamp)))
+    proc.start()
+    try:
+        wait_for(stamp.exists, 120, f"{command} to reach {hold[0]}", proc)
+        os.kill(proc.pid, signum)
+        proc.join(60)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    output = log.read_text()
+    assert proc.exitcode == 128 + signum, output
+    # generate's line may follow its half-written answer: the line is found where it starts.
+    lines = re.findall(rf"dflash-trainer {command}: .*", output)
+    assert len(lines) == 1 and lines[0].startswith(
+        f"dflash-trainer {command}: interrupted ({signum.name}); "), output
+    assert "Traceback" not in output, output
+    for folder in clean:
+        left = [p.name for p in folder.glob(".*") if ".tmp-" in p.name or p.name.endswith(".lock")]
+        assert not left, (folder, left)
+    if command in ("eval", "export"):
+        assert not (tmp_path / "eval" / "results.json").exists() and not (tmp_path / "out").exists()
+    if command == "demo":  # its training stopped gracefully first: the final checkpoint exists
+        assert (tmp_path / "run" / "checkpoints" / "latest").is_file(), output
+
+
+@pytest.mark.parametrize("command", ["prepare", "export"])
+def test_what_a_sigkill_leaves_is_removed_by_the_next_run(setup, finished_run, tmp_path: Path,
+                                                          command: str):
+    """SIGKILL cannot be caught: the half-written token store or export stays as a hidden
+    ``.NAME.tmp-PID-*`` folder until the next run into the same folder removes it."""
+    from dflash_trainer.cli import main
+
+    argv, hold, _ = _command_cases(setup, finished_run, tmp_path)[command]
+    folder = tmp_path / "cache" if command == "prepare" else tmp_path
+    log, stamp = tmp_path / "log.txt", tmp_path / "reached"
+    proc = _CTX.Process(target=_command_child, args=(argv, str(log), hold, str(stamp)))
+    proc.start()
+    try:
+        wait_for(stamp.exists, 120, f"{command} to reach {hold[0]}", proc)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(30)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    left = [p.name for p in folder.glob(f".*.tmp-{proc.pid}-*")]
+    assert len(left) == 1, list(folder.iterdir())
+    assert main(argv) == 0
+    assert not [p.name for p in folder.glob(".*") if ".tmp-" in p.name or p.name.endswith(".lock")]

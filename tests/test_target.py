@@ -11,8 +11,10 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
                           Qwen3Config, Qwen3ForCausalLM)
 
+from dflash_trainer import assets
+from dflash_trainer.assets import AssetError, resolve_target
 from dflash_trainer.config import ModelConfig
-from dflash_trainer.errors import ConfigError
+from dflash_trainer.errors import ConfigError, TargetError
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.model.target import (FeatureExtractor, check_target_layer_ids, load_target,
                                          resolve_mask_token_id)
@@ -82,7 +84,7 @@ def test_embedding_and_head_are_shared_not_copied(tied):
 
 def test_unsupported_layout_and_bad_layer_ids_are_clear_errors():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100))
-    with pytest.raises(ValueError, match="model.model.layers"):
+    with pytest.raises(TargetError, match="model.model.layers"):
         FeatureExtractor(gpt2, [0])
     model = tiny("llama")
     for ids in ([4], [-1], [0, 7]):
@@ -181,3 +183,71 @@ def test_load_target_is_frozen_and_in_eval_mode(tmp_path):
     model, tok = load_target(str(tmp_path), device="cpu", dtype=torch.float32)
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert tok.eos_token_id == 0
+
+
+# --- broken target files: one clear TargetError line each, never a library traceback ---------------
+
+@pytest.fixture
+def saved_target(tmp_path):
+    folder = tmp_path / "target"
+    tiny("llama").save_pretrained(folder)
+    word_tokenizer([]).save_pretrained(folder)
+    return folder
+
+
+def test_a_target_folder_without_weights_is_named(saved_target):
+    (saved_target / "model.safetensors").unlink()
+    with pytest.raises(TargetError, match=r"target .*target: no model weights in the folder \(model.safetensors, "
+                                          r"pytorch_model.bin or a sharded index; it holds config.json"):
+        load_target(str(saved_target), device="cpu", dtype=torch.float32)
+
+
+def test_truncated_or_foreign_weights_are_named(saved_target):
+    weights = saved_target / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:len(data) // 2])
+    with pytest.raises(TargetError, match=r"target .*target: the model does not load \(SafetensorError: .*"
+                                          r"\); its weights are truncated, damaged"):
+        load_target(str(saved_target), device="cpu", dtype=torch.float32)
+    weights.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(TargetError, match="the model does not load"):
+        load_target(str(saved_target), device="cpu", dtype=torch.float32)
+
+
+def test_weights_of_another_shape_are_named(saved_target):
+    LlamaForCausalLM(LlamaConfig(**{**SIZES, "hidden_size": 32})).save_pretrained(saved_target / "other")
+    (saved_target / "other" / "model.safetensors").replace(saved_target / "model.safetensors")
+    with pytest.raises(TargetError, match="the model does not load .*do not match its config.json"):
+        load_target(str(saved_target), device="cpu", dtype=torch.float32)
+
+
+def test_a_config_json_that_is_not_json_or_not_a_known_model_is_named(saved_target):
+    config = saved_target / "config.json"
+    config.write_text('{"model_type": "llama", "hidden_size": ')
+    with pytest.raises(AssetError, match=r"config.json is not valid JSON \(Expecting value"):
+        resolve_target(str(saved_target))
+    config.write_text('{"model_type": "no-such-architecture"}')
+    with pytest.raises(AssetError, match=r"transformers cannot read .*config.json \(.*no-such-architecture"):
+        resolve_target(str(saved_target))
+
+
+def test_a_damaged_tokenizer_is_named(saved_target):
+    (saved_target / "tokenizer.json").write_text('{"version": "1.0", "model": ')
+    with pytest.raises(AssetError, match=r"the tokenizer of .*target does not load \(.*\); the folder needs "
+                                         r"tokenizer.json"):
+        load_target(str(saved_target), device="cpu", dtype=torch.float32)
+
+
+def test_a_damaged_gguf_target_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    data = assets.smollm2_gguf().read_bytes()
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(data[:len(data) // 3])
+    with pytest.raises(AssetError, match=r"cut.gguf: not a readable GGUF file \(.*\); the file is damaged or "
+                                         r"truncated"):
+        resolve_target(str(truncated))
+    foreign = tmp_path / "text.gguf"
+    foreign.write_text("hello, not a model")
+    with pytest.raises(AssetError, match=r"text.gguf: not a readable GGUF file \(.*magic"):
+        resolve_target(str(foreign))
+    assert not any((tmp_path / "cache").rglob("config.json"))  # nothing half-converted is left to load

@@ -197,6 +197,54 @@ def test_no_assistant_turn_is_dropped(smol):
     assert "test.jsonl:1" in result.message
 
 
+@pytest.mark.parametrize("answers", [[""], ["  \n\t"], ["", " "]])
+@pytest.mark.parametrize("template", [None, QWEN3_LIKE], ids=["prefix", "markers"])
+def test_a_conversation_whose_every_answer_is_empty_is_dropped(smol, template, answers):
+    tok = smol if template is None else _with_template(smol, template)
+    turns = [t for i, answer in enumerate(answers) for t in (("user", f"Q{i}"), ("assistant", answer))]
+    result = ChatTokenizer(tok, _opts()).encode(_conv(*turns))
+    assert isinstance(result, Dropped) and result.reason == "empty_answer"
+    assert result.message.startswith("test.jsonl:1 (record 0): every assistant answer is empty or whitespace")
+
+
+def test_empty_answers_beside_real_ones_stay_as_context_unsupervised(smol):
+    encoded = _check(smol, _opts(), _conv(("user", "Hi"), ("assistant", " "), ("user", "Bye"),
+                                          ("assistant", "Ciao")), [
+        (SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n <|im_end|>\n"
+         "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("Ciao<|im_end|>\n", 1),
+    ])
+    assert encoded.empty_answers == 1
+    encoded = _check(smol, _opts(), _conv(("user", "Hi"), ("assistant", "Hello"), ("user", "Bye"),
+                                          ("assistant", "")), [
+        (SMOL_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("Hello<|im_end|>\n", 1),
+        ("<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n", 0),
+    ])
+    assert encoded.empty_answers == 1
+
+
+def test_empty_answers_with_generation_markers(smol):
+    tok = _with_template(smol, QWEN3_LIKE)
+    encoded = _check(tok, _opts(thinking=False), _conv(("user", "Hi"), ("assistant", ""), ("user", "Bye"),
+                                                       ("assistant", "Ciao")), [
+        ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+         "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("<think>\n\n</think>\n\nCiao<|im_end|>\n", 1),
+    ])
+    assert encoded.empty_answers == 1
+
+
+def test_last_turn_only_drops_an_empty_last_answer(smol):
+    conversation = _conv(("user", "Hi"), ("assistant", "Hello"), ("user", "Bye"), ("assistant", "\n"))
+    result = ChatTokenizer(smol, _opts(last_turn_only=True)).encode(conversation)
+    assert isinstance(result, Dropped) and result.reason == "empty_answer"
+    assert "the last assistant answer (data.last_turn_only) is empty" in result.message
+    encoded = ChatTokenizer(smol, _opts(last_turn_only=True)).encode(
+        _conv(("user", "Hi"), ("assistant", ""), ("user", "Bye"), ("assistant", "Ciao")))
+    assert isinstance(encoded, Encoded) and encoded.empty_answers == 0  # earlier turns are context anyway
+
+
 @pytest.mark.parametrize("template", [QWEN3_NO_MARKERS, QWEN3_LIKE], ids=["prefix", "markers"])
 def test_qwen3_style_thinking_off(smol, template):
     tok = _with_template(smol, template)

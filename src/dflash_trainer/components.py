@@ -23,6 +23,7 @@ from dflash_trainer.config import Config
 from dflash_trainer.data.buckets import Plan, build_plan
 from dflash_trainer.distributed import DistInfo, target_load_device, wrap_drafter, wrap_target
 from dflash_trainer.dtypes import config_dtype
+from dflash_trainer.errors import ConfigError, DataError
 from dflash_trainer.flops import StepShape, layer_dims, step_flops
 from dflash_trainer.model.drafter import build_drafter, initialise_drafter, text_config
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
@@ -149,8 +150,8 @@ def _load_data(cfg: Config, dist: DistInfo, tokenizer: Any) -> tuple[TrainingDat
     if dist.enabled and dist.is_main:
         torch.distributed.barrier()
     if len(store) == 0:
-        raise ValueError("no training samples left after preparation; see the prepare "
-                         "statistics above (data.max_length, data.min_supervised_tokens)")
+        raise DataError("no training samples left after preparation; see the prepare "
+                        "statistics above (data.max_length, data.min_supervised_tokens)")
     return store, stats
 
 
@@ -162,8 +163,8 @@ def _mask_token_id(cfg: Config, tokenizer: Any, embed_rows: int, data: TrainingD
     # A target passed in without a tokenizer (random weights): the id must be given.
     explicit = cfg.model.mask_token_id
     if explicit is None or not 0 <= explicit < embed_rows or explicit in set(data_ids):
-        raise ValueError(f"model.mask_token_id={explicit}: a target without a tokenizer needs an "
-                         f"explicit mask token id below {embed_rows} that is not in the data")
+        raise ConfigError(f"model.mask_token_id={explicit}: a target without a tokenizer needs an "
+                          f"explicit mask token id below {embed_rows} that is not in the data")
     return explicit
 
 
@@ -213,7 +214,8 @@ def build(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None, token
         data, data_stats = _load_data(cfg, dist, tokenizer)
     embed_rows = target.get_input_embeddings().weight.shape[0]
     mask_id = _mask_token_id(cfg, tokenizer, embed_rows, data)
-    drafter = build_drafter(cfg.model, target.config, mask_token_id=mask_id)
+    # With the tokenizer, the drafter's config (and every export of it) records its fingerprint.
+    drafter = build_drafter(cfg.model, target.config, mask_token_id=mask_id, tokenizer=tokenizer)
     initialise_drafter(drafter, target, cfg.model)
     drafter = drafter.to(device)
     # Sharded before the feature hooks are added, so FSDP's hooks run first.

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -22,7 +24,89 @@ import yaml
 
 from dflash_trainer.errors import ConfigError
 
-__all__ = ["Config", "ConfigError", "load_config", "save_config"]
+__all__ = ["COUNT_MAX", "DURATION_MAX_S", "TOKENS_MAX", "Config", "ConfigError", "Range", "check_text",
+           "is_numeric", "load_config", "option_ranges", "ranged", "save_config"]
+
+COUNT_MAX = 10**9
+"""Upper bound of counts that have no natural one (steps, records, prompts): no run comes near
+it, and arithmetic on such counts stays far inside 64-bit integers."""
+TOKENS_MAX = 2**20
+"""Upper bound of token counts (lengths, new tokens, chunk sizes): longer than any target's context."""
+DURATION_MAX_S = 366 * 24 * 3600
+"""Upper bound of durations: timers and collective timeouts overflow far beyond it."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric option, or of each element of a list option.
+
+    ``ge``/``gt`` and ``le``/``lt`` are inclusive/exclusive bounds; every value must also be
+    finite (nan and inf are refused everywhere). ``none`` says what leaving an ``X | None``
+    option unset means, since 0 never stands for it; ``why`` explains a bound that is not
+    obvious. Both appear in the error message and in ``--help``.
+    """
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    none: str = ""
+    why: str = ""
+
+    def __contains__(self, value: object) -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    def describe(self) -> str:
+        """The bounds as text: ``>= 1``, ``> 0``, ``in [0, 1)``, or ``finite``."""
+        low = (f"[{_number(self.ge)}" if self.ge is not None
+               else f"({_number(self.gt)}" if self.gt is not None else None)
+        high = (f"{_number(self.le)}]" if self.le is not None
+                else f"{_number(self.lt)})" if self.lt is not None else None)
+        if low and high:
+            return f"in {low}, {high}"
+        if low:
+            return (">= " if low[0] == "[" else "> ") + low[1:]
+        if high:
+            return ("<= " if high[-1] == "]" else "< ") + high[:-1]
+        return "finite"
+
+    def explain(self) -> str:
+        """:meth:`describe` with the reason of the bound and the meaning of none."""
+        text = self.describe()
+        if self.why:
+            text += f" ({self.why})"
+        if self.none:
+            text += f", or none {self.none}"
+        return text
+
+    def check(self, key: str, value: Any) -> None:
+        """Raise :class:`ConfigError` naming ``key`` unless ``value`` lies in the range."""
+        if value not in self:
+            raise ConfigError(f"{key} must be {self.explain()}, got {value!r}")
+
+
+def _number(bound: float) -> str:
+    if not float(bound).is_integer():
+        return f"{bound:g}"
+    # Large bounds grouped as YAML and Python read them back: 1_000_000_000.
+    return f"{int(bound):_}" if abs(bound) >= 10_000 else str(int(bound))
+
+
+def check_text(key: str, value: str) -> None:
+    """Raise :class:`ConfigError` naming ``key`` when a text option is empty or only whitespace."""
+    if not value.strip():
+        raise ConfigError(f"{key} must not be empty or only whitespace, got {value!r}")
+
+
+def ranged(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+           lt: float | None = None, none: str = "", why: str = "") -> Any:
+    """A dataclass field with its valid :class:`Range` (for a list option: of each element)."""
+    return field(default=default, metadata={"range": Range(ge=ge, gt=gt, le=le, lt=lt, none=none, why=why)})
 
 
 @dataclass(kw_only=True)
@@ -33,11 +117,11 @@ class DataConfig:
     """Data files or folders; ``sharegpt`` is the embedded ShareGPT set."""
     format: Literal["auto", "messages", "sharegpt", "tokenized", "hf"] = "auto"
     """Record format; ``auto`` detects it per record."""
-    max_length: int = 3072
+    max_length: int = ranged(3072, ge=2, le=TOKENS_MAX)
     """Longest tokenized sample, in tokens."""
     on_too_long: Literal["truncate", "drop"] = "truncate"
     """What to do with a sample longer than ``max_length``."""
-    min_supervised_tokens: int = 2
+    min_supervised_tokens: int = ranged(2, ge=2, le=TOKENS_MAX)
     """Drop samples with fewer supervised tokens (counted as ``too_short``). 2 is the least a
     block needs: an anchor and one label, both supervised and adjacent."""
     on_error: Literal["raise", "skip", "auto"] = "auto"
@@ -47,9 +131,9 @@ class DataConfig:
     """Render with thinking enabled, for templates that have it (Qwen3 style)."""
     last_turn_only: bool = False
     """Supervise only the last assistant turn."""
-    max_samples: int | None = None
+    max_samples: int | None = ranged(None, ge=1, le=COUNT_MAX, none="for every record")
     """Read at most this many records (after skipping ``heldout_samples``)."""
-    heldout_samples: int = 64
+    heldout_samples: int = ranged(64, ge=0, le=COUNT_MAX)
     """The first N records are held out of training and used as evaluation prompts."""
     cache_dir: str | None = None
     """Tokenized cache location; default ``$XDG_CACHE_HOME/dflash-trainer/tokens``."""
@@ -61,21 +145,21 @@ class ModelConfig:
 
     target: str = "smollm2"
     """``smollm2`` (embedded SmolLM2-135M-Instruct), an HF model folder or a hub-cached id."""
-    num_layers: int = 1
+    num_layers: int = ranged(1, ge=1, le=256)
     """Drafter decoder layers."""
-    block_size: int = 16
+    block_size: int = ranged(16, ge=2, le=256)
     """Tokens per drafted block: 1 anchor + ``block_size - 1`` drafts."""
-    target_layer_ids: list[int] | None = None
+    target_layer_ids: list[int] | None = ranged(None, ge=0, le=4095, none="for the reference rule")
     """Target layers whose outputs condition the drafter; default by the reference rule."""
-    mask_token_id: int | None = None
+    mask_token_id: int | None = ranged(None, ge=0, le=2**31 - 1, none="to resolve it")
     """Id of the mask token inside the target's embedding table; default resolved."""
-    intermediate_size: int | None = None
+    intermediate_size: int | None = ranged(None, ge=1, le=TOKENS_MAX, none="for the target's")
     """Drafter MLP width; default the target's."""
-    num_attention_heads: int | None = None
+    num_attention_heads: int | None = ranged(None, ge=1, le=1024, none="for the target's")
     """Drafter query heads; default the target's."""
-    num_key_value_heads: int | None = None
+    num_key_value_heads: int | None = ranged(None, ge=1, le=1024, none="for the target's")
     """Drafter key/value heads; default the target's."""
-    head_dim: int | None = None
+    head_dim: int | None = ranged(None, ge=1, le=4096, none="for the target's")
     """Drafter head dimension; default the target's."""
     attention: Literal["auto", "sdpa", "blockwise", "flex"] = "auto"
     """Training attention: ``flex`` (FlexAttention BlockMask, CUDA), ``blockwise`` (each block
@@ -102,50 +186,56 @@ class ModelConfig:
 class TrainingConfig:
     """Objective, optimizer and schedule."""
 
-    seed: int = 42
-    epochs: int = 6
-    max_steps: int | None = None
+    seed: int = ranged(42, ge=0, le=2**32 - 1)
+    epochs: int = ranged(6, ge=1, le=COUNT_MAX)
+    max_steps: int | None = ranged(None, ge=1, le=COUNT_MAX, none="for no limit (training.epochs decides)")
     """Stop after this many optimizer steps (overrides ``epochs`` when smaller)."""
-    max_time_s: float | None = None
+    max_time_s: float | None = ranged(None, gt=0, le=DURATION_MAX_S, why="a year", none="for no limit")
     """Stop after this many seconds of training (a final checkpoint is written)."""
-    lr: float = 6e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.04
+    lr: float = ranged(6e-4, gt=0, le=1)
+    """Peak AdamW learning rate. Adam moves every weight by about ``lr`` per step, so above 1
+    training diverges at once."""
+    betas: tuple[float, float] = ranged((0.9, 0.999), ge=0, lt=1)
+    """AdamW moment decay rates, each in [0, 1)."""
+    eps: float = ranged(1e-8, gt=0, le=1)
+    weight_decay: float = ranged(0.0, ge=0, le=1)
+    """Decoupled (AdamW) decay: each step shrinks every weight by ``lr * weight_decay``."""
+    warmup_ratio: float = ranged(0.04, ge=0, lt=1)
     """Linear warmup over this fraction of optimizer steps."""
-    warmup_steps: int | None = None
+    warmup_steps: int | None = ranged(None, ge=0, le=COUNT_MAX, none="to use training.warmup_ratio")
     """Linear warmup over this many optimizer steps (replaces ``warmup_ratio``): for runs
     bounded by ``max_time_s``, whose planned step count says nothing about their length."""
     schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
     """Decay after warmup, down to ``min_lr``; ``wsd`` (warmup-stable-decay) holds ``lr`` and
     decays linearly over the last ``decay_ratio`` of the steps only."""
-    decay_ratio: float = 0.2
+    decay_ratio: float = ranged(0.2, gt=0, le=1)
     """``schedule: wsd``: the final fraction of the optimizer steps over which lr decays."""
-    min_lr: float = 0.0
-    grad_clip: float = 1.0
+    min_lr: float = ranged(0.0, ge=0, le=1)
+    """The schedule's final learning rate, at most ``lr``."""
+    grad_clip: float = ranged(1.0, gt=0)
     """Global L2 gradient norm clip; its return value is logged as train/grad_norm."""
-    grad_accum: int = 1
+    grad_accum: int = ranged(1, ge=1, le=65536)
     """Micro-batches per optimizer step."""
-    num_anchors: int = 512
+    num_anchors: int = ranged(512, ge=1, le=TOKENS_MAX)
     """Random anchors (blocks) per sequence per step."""
-    gamma: float | None = None
-    """Loss decay over block slots, w_k = exp(-(k-1)/gamma); default 7/5/4 for B = 16/10/8."""
-    loss_slots: int | None = None
+    gamma: float | None = ranged(None, gt=0, none="for the reference value of model.block_size")
+    """Loss decay over block slots, w_k = exp(-(k-1)/gamma); default 7/5/4 for B = 16/10/8. A
+    large gamma (1e9) weights every slot the same."""
+    loss_slots: int | None = ranged(None, ge=1, le=255, none="for every slot")
     """Supervise only block slots 1..K (None: all ``block_size - 1``). Inference still drafts
     the whole block; the frozen LM head over every slot is most of a CPU step, and at small
     budgets the acceptance length comes from the first slots."""
     labels: Literal["data", "target_greedy", "kl"] = "data"
     """``data``: dataset tokens (reference); ``target_greedy``: the target's argmax at each
     position; ``kl``: distil the target's distribution."""
-    loss_chunk_size: int = 256
+    loss_chunk_size: int = ranged(256, ge=1, le=TOKENS_MAX)
     """Block slots per LM-head/cross-entropy chunk (bounds the logits memory: on CPU 256
     peaked at 1.01 GiB where 1024 peaked at 1.40 GiB, at the same speed)."""
-    noise_std: float = 0.0
+    noise_std: float = ranged(0.0, ge=0, le=1000)
     """Hidden-state noise augmentation (EAGLE extension, off in the DFlash recipe)."""
-    noise_warmup_steps: int = 0
+    noise_warmup_steps: int = ranged(0, ge=0, le=COUNT_MAX)
     """Ramp the noise linearly from 0 to ``noise_std`` over this many steps."""
-    max_nonfinite_steps: int = 10
+    max_nonfinite_steps: int = ranged(10, ge=1, le=COUNT_MAX)
     """Stop after this many consecutive steps with a non-finite loss or gradient norm."""
 
 
@@ -154,23 +244,26 @@ class PipelineConfig:
     """Batching and the threaded pipeline."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    num_buckets: int = 6
-    bucket_boundaries: list[int] | None = None
+    num_buckets: int = ranged(6, ge=1, le=1024)
+    bucket_boundaries: list[int] | None = ranged(None, ge=1, le=TOKENS_MAX, none="for quantiles of the data")
     """Explicit upper length bounds per bucket; default equal-count quantiles of the data."""
-    tokens_per_batch: int = 4096
+    tokens_per_batch: int = ranged(4096, ge=1, le=2**24)
     """Token budget per batch, counting padding (rows * padded length)."""
-    max_batch_size: int | None = None
+    max_batch_size: int | None = ranged(None, ge=1, le=TOKENS_MAX, none="for no cap")
     """Cap on sequences per batch."""
-    max_run: int = 2
+    max_run: int = ranged(2, ge=1, le=COUNT_MAX)
     """Most consecutive steps from one bucket while another has batches left."""
     order: Literal["interleave", "shuffle"] = "interleave"
     """Step order of the bucketed batches: ``interleave`` draws buckets diversity-first within
     ``max_run``; ``shuffle`` is a plain shuffle of the same batches (for comparison: it lets
     one large bucket run for several steps; see docs/interleave.md)."""
-    prefetch_workers: int = 2
-    batch_queue_size: int = 4
-    feature_queue_size: int = 2
-    num_threads: int | None = None
+    prefetch_workers: int = ranged(2, ge=1, le=256)
+    """Threads that build batches (each holds its batches in memory)."""
+    batch_queue_size: int = ranged(4, ge=1, le=1024)
+    """Batches buffered ahead of the target stage."""
+    feature_queue_size: int = ranged(2, ge=1, le=1024)
+    """Target feature batches buffered ahead of the drafter."""
+    num_threads: int | None = ranged(None, ge=1, le=1024, none="for the default")
     """torch intra-op threads; default half the cores on CPU (the target stage and the drafter
     loop run at the same time), torch's own choice on GPU."""
 
@@ -179,8 +272,8 @@ class PipelineConfig:
 class LoggingConfig:
     """Metrics and trackers."""
 
-    every_steps: int = 10
-    every_s: float | None = None
+    every_steps: int = ranged(10, ge=1, le=COUNT_MAX)
+    every_s: float | None = ranged(None, gt=0, le=DURATION_MAX_S, why="a year", none="to log by steps only")
     """Also log when this many seconds passed since the last log."""
     wandb: Literal["online", "offline", "disabled"] = "disabled"
     wandb_project: str = "dflash-trainer"
@@ -195,9 +288,9 @@ class LoggingConfig:
 class CheckpointConfig:
     """Periodic asynchronous checkpoints and resume."""
 
-    every_steps: int | None = None
-    every_minutes: float | None = None
-    keep_last: int = 3
+    every_steps: int | None = ranged(None, ge=1, le=COUNT_MAX, none="for no step interval")
+    every_minutes: float | None = ranged(None, gt=0, le=DURATION_MAX_S / 60, why="a year", none="for no time interval")
+    keep_last: int = ranged(3, ge=1, le=COUNT_MAX)
     resume: str | None = None
     """``auto`` (latest in the run dir, if any) or a checkpoint path."""
     async_save: bool = True
@@ -209,12 +302,13 @@ class EvalConfig:
 
     prompts: str = "mtbench"
     """``mtbench``, ``sharegpt-heldout`` or a JSONL file of prompts."""
-    num_prompts: int | None = None
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    every_steps: int | None = None
+    num_prompts: int | None = ranged(None, ge=1, le=COUNT_MAX, none="for every prompt")
+    max_new_tokens: int = ranged(256, ge=1, le=TOKENS_MAX)
+    temperature: float = ranged(0.0, ge=0, le=100)
+    """0 is greedy decoding; above 100 every token is about equally likely."""
+    every_steps: int | None = ranged(None, ge=1, le=COUNT_MAX, none="to evaluate only at the end")
     """In-training eval interval; None evaluates only at the end."""
-    in_training_prompts: int = 8
+    in_training_prompts: int = ranged(8, ge=1, le=COUNT_MAX)
     first_turn_only: bool = False
 
 
@@ -225,7 +319,7 @@ class DistributedConfig:
     drafter: Literal["ddp", "fsdp"] = "ddp"
     target: Literal["replicate", "fsdp"] = "replicate"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
-    timeout_s: float = 1800.0
+    timeout_s: float = ranged(1800.0, gt=0, le=DURATION_MAX_S, why="a year")
     """How long a collective (and the wait while rank 0 tokenizes the data) may block before
     the rank fails with an error naming it, instead of waiting forever for a stuck rank."""
 
@@ -253,46 +347,83 @@ def default_gamma(block_size: int) -> float:
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size * 7.0 / 16.0))
 
 
+@functools.cache
+def option_ranges(cls: type = Config, prefix: str = "") -> dict[str, tuple[Any, Range | None]]:
+    """Dotted key -> (annotation, declared :class:`Range` or None) of every leaf option (read-only)."""
+    out: dict[str, tuple[Any, Range | None]] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.update(option_ranges(tp, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = (tp, f.metadata.get("range"))
+    return out
+
+
+def _is_list(tp: Any) -> bool:
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
+        return _is_list(args[0])
+    return typing.get_origin(tp) in (list, tuple)
+
+
+def _scalar_type(tp: Any) -> Any:
+    """The element type of an option: ``int`` for ``list[int] | None``, ``float`` for
+    ``tuple[float, float]``; the type itself for a scalar."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return _scalar_type(args[0]) if len(args) == 1 else tp
+    if typing.get_origin(tp) in (list, tuple):
+        assert len({a for a in args if a is not Ellipsis}) == 1, f"mixed element types in {tp!r}"
+        return args[0]
+    return tp
+
+
+def is_numeric(tp: Any) -> bool:
+    """Whether an option (or each of its elements) is an int or a float, and so needs a range."""
+    return _scalar_type(tp) in (int, float)
+
+
+def check_ranges(cfg: Config) -> None:
+    """Refuse any option outside its declared range, or an empty text, with a ConfigError
+    naming the key (``training.betas[0]`` for an element of a list)."""
+    for key, (tp, rng) in option_ranges().items():
+        value: Any = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value is None:
+            continue
+        items = ([(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, (list, tuple))
+                 else [(key, value)])
+        scalar = _scalar_type(tp)
+        if scalar in (int, float):
+            assert rng is not None, f"config option {key} declares no range: give it ranged(...)"
+            if isinstance(value, (list, tuple)):
+                rng = dataclasses.replace(rng, none="")  # none is for the whole list, not an element
+            for name, item in items:
+                rng.check(name, item)
+        elif scalar is str:
+            for name, item in items:
+                check_text(name, item)
+
+
 def validate(cfg: Config) -> None:
-    """Cross-field checks; raise ConfigError naming the field."""
+    """Range checks of every option, then cross-field checks; raise ConfigError naming the field."""
+    check_ranges(cfg)
     checks: list[tuple[bool, str]] = [
-        (cfg.model.block_size >= 2, "model.block_size must be >= 2"),
-        (cfg.model.num_layers >= 1, "model.num_layers must be >= 1"),
         (not (cfg.model.init_from_target and cfg.model.drafter_init == "target"),
          "model.init_from_target and model.drafter_init=target both initialise the drafter "
          "layers from the target; set only one"),
         (cfg.data.max_length > cfg.model.block_size,
          "data.max_length must be larger than model.block_size"),
-        (cfg.training.lr > 0, "training.lr must be > 0"),
-        (0 <= cfg.training.warmup_ratio < 1, "training.warmup_ratio must be in [0, 1)"),
-        (cfg.training.warmup_steps is None or cfg.training.warmup_steps >= 0,
-         "training.warmup_steps must be >= 0"),
         (cfg.training.min_lr <= cfg.training.lr, "training.min_lr must be <= training.lr"),
-        (0 < cfg.training.decay_ratio <= 1, "training.decay_ratio must be in (0, 1]"),
-        (cfg.training.grad_clip > 0, "training.grad_clip must be > 0"),
-        (cfg.training.grad_accum >= 1, "training.grad_accum must be >= 1"),
-        (cfg.training.num_anchors >= 1, "training.num_anchors must be >= 1"),
-        (cfg.training.epochs >= 1, "training.epochs must be >= 1"),
-        (cfg.training.gamma is None or cfg.training.gamma >= 0, "training.gamma must be >= 0"),
-        (cfg.training.noise_std >= 0, "training.noise_std must be >= 0"),
-        (cfg.training.noise_warmup_steps >= 0, "training.noise_warmup_steps must be >= 0"),
-        (cfg.training.loss_chunk_size >= 1, "training.loss_chunk_size must be >= 1"),
-        (cfg.training.loss_slots is None or 1 <= cfg.training.loss_slots < cfg.model.block_size,
+        (cfg.training.loss_slots is None or cfg.training.loss_slots < cfg.model.block_size,
          f"training.loss_slots must be between 1 and model.block_size - 1 ({cfg.model.block_size - 1}), "
          f"got {cfg.training.loss_slots}"),
-        (cfg.pipeline.num_buckets >= 1, "pipeline.num_buckets must be >= 1"),
-        (cfg.pipeline.max_run >= 1, "pipeline.max_run must be >= 1"),
-        (cfg.pipeline.prefetch_workers >= 1, "pipeline.prefetch_workers must be >= 1"),
-        (cfg.pipeline.batch_queue_size >= 1, "pipeline.batch_queue_size must be >= 1"),
-        (cfg.pipeline.feature_queue_size >= 1, "pipeline.feature_queue_size must be >= 1"),
         (cfg.pipeline.tokens_per_batch >= cfg.data.max_length,
          f"pipeline.tokens_per_batch ({cfg.pipeline.tokens_per_batch}) must be >= "
          f"data.max_length ({cfg.data.max_length}) so the longest sample fits a batch"),
-        (cfg.logging.every_steps >= 1, "logging.every_steps must be >= 1"),
-        (cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last must be >= 1"),
-        (cfg.distributed.timeout_s > 0, "distributed.timeout_s must be > 0"),
-        (cfg.eval.temperature >= 0, "eval.temperature must be >= 0"),
-        (cfg.eval.max_new_tokens >= 1, "eval.max_new_tokens must be >= 1"),
     ]
     bounds = cfg.pipeline.bucket_boundaries
     if bounds is not None:
@@ -300,8 +431,7 @@ def validate(cfg: Config) -> None:
                        "pipeline.bucket_boundaries must be strictly increasing"))
     ids = cfg.model.target_layer_ids
     if ids is not None:
-        checks.append((len(ids) > 0 and all(i >= 0 for i in ids),
-                       "model.target_layer_ids must be a non-empty list of layer indices >= 0"))
+        checks.append((len(ids) > 0, "model.target_layer_ids must be a non-empty list of layer indices >= 0"))
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
@@ -309,8 +439,16 @@ def validate(cfg: Config) -> None:
 
 def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
+    if tp is type(None):
+        return "none"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        count = f"{len(args)} " if origin is tuple and Ellipsis not in typing.get_args(tp) else ""
+        return f"list of {count}{_type_name(args[0])}"
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
@@ -319,8 +457,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
+        if type(None) in args and (value is None or (isinstance(value, str)
+                                                     and value.strip().lower() in ("none", "null"))):
+            return None  # YAML reads only null and ~ as None; the messages say "none"
+        members = [a for a in args if a is not type(None)]
+        if (len(members) == 1 and isinstance(value, (list, tuple))
+                and typing.get_origin(members[0]) in (list, tuple)):
+            return _coerce(value, members[0], key)  # the element's own error names it: key[i]
         for arg in args:
             if arg is type(None):
                 continue
@@ -455,8 +598,10 @@ def save_config(cfg: Config, directory: str | Path, name: str = "config.yaml") -
     return path
 
 
+@functools.cache
 def _field_docs(cls: type) -> dict[str, str]:
-    """Attribute docstrings (the string literal under a field) of a dataclass."""
+    """Attribute docstrings (the string literal under a field) of a dataclass (parsed once: every
+    command's parser shows them)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
@@ -469,7 +614,7 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 def describe_options(cls: type = Config, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(dotted key, type, default, doc) of every option, for ``--help``."""
+    """(dotted key, type and valid range, default, doc) of every option, for ``--help``."""
     rows: list[tuple[str, str, str, str]] = []
     hints = typing.get_type_hints(cls)
     docs = _field_docs(cls)
@@ -480,5 +625,11 @@ def describe_options(cls: type = Config, prefix: str = "") -> list[tuple[str, st
             rows.extend(describe_options(tp, key + "."))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        rows.append((key, _type_name(tp), repr(default), docs.get(f.name, "")))
+        rng = f.metadata.get("range")
+        each = "each " if _is_list(tp) else ""
+        if rng is not None:
+            kind = f"{_type_name(tp)}; {each}{rng.explain()}"
+        else:
+            kind = _type_name(tp) + (f"; {each}not empty" if _scalar_type(tp) is str else "")
+        rows.append((key, kind, repr(default), docs.get(f.name, "")))
     return rows

@@ -3,7 +3,10 @@
 prepare (statistics) -> evaluate the untrained drafter -> train (bounded by the config) ->
 evaluate the trained drafter on the same prompts -> export -> report -> summary of where
 everything is. Both evaluations are real speculative decoding against the target's greedy
-output, so the two tau values are directly comparable.
+output, so the two tau values are directly comparable. Each speedup comes from target-only and
+speculative decodes timed side by side in that evaluation (:mod:`dflash_trainer.speedup`), on
+the cores free at its start, and is shown as unreliable when the machine was busy or the
+per-prompt timings scattered.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -27,8 +29,10 @@ from dflash_trainer.assets import resolve_target
 from dflash_trainer.config import Config
 from dflash_trainer.data import prepare
 from dflash_trainer.evaluate import InTrainingEval, load_prompts
+from dflash_trainer.interrupts import Interrupted
 from dflash_trainer.model.target import load_target
 from dflash_trainer.report import write_report
+from dflash_trainer.speedup import SpeedupMeasurement
 from dflash_trainer.train import Trainer, close_after_failure
 
 
@@ -38,20 +42,23 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-@contextlib.contextmanager
-def _all_cores() -> Iterator[None]:
-    """Every core for the evaluations, which run while no pipeline thread computes.
+def _results_table(untrained: dict[str, Any], trained: dict[str, Any],
+                   speedups: tuple[SpeedupMeasurement, SpeedupMeasurement]) -> str:
+    """The before/after table of the two evaluations' metrics.
 
-    Training splits the cores between the target stage and the drafter loop; an evaluation is
-    one thread of work, so the split would leave half the machine idle. The baseline and the
-    speculative decode both run inside, under the same thread count, so their times compare.
+    The speedups come only from their measurements (target-only and speculative decodes timed
+    side by side in that evaluation); an unreliable one is marked in its cell and its reasons
+    follow the table.
     """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(max(previous, os.cpu_count() or 1))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
+    rows = [("acceptance length tau", _fmt(untrained["eval/tau"]), _fmt(trained["eval/tau"])),
+            ("decode speedup (CPU)", *(m.label(".3f", short=True) for m in speedups)),
+            ("lossless", _fmt(bool(untrained["eval/lossless"])), _fmt(bool(trained["eval/lossless"])))]
+    widths = [max(10, *(len(row[k]) for row in rows)) for k in (1, 2)]
+    lines = [f"  {'':24s} {'untrained':>{widths[0]}s} {'trained':>{widths[1]}s}"]
+    lines += [f"  {name:24s} {before:>{widths[0]}s} {after:>{widths[1]}s}" for name, before, after in rows]
+    lines += [f"  {name} speedup unreliable: {'; '.join(m.reasons)}"
+              for name, m in zip(("untrained", "trained"), speedups) if m.reliable is False]
+    return "\n".join(lines)
 
 
 @contextlib.contextmanager
@@ -99,16 +106,19 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
             # verify forward and the one-token decode round differently and flip near-ties.
             eval_target, _ = load_target(str(resolve_target(cfg.model.target)),
                                          device=trainer.device, dtype=torch.float32)
-        with _all_cores():
-            evaluator = InTrainingEval.from_config(cfg, target=eval_target,
-                                                   tokenizer=trainer.tokenizer)
-            untrained = evaluator(trainer.drafter)
+        # Each call picks its threads from the cores free at its start (training splits them
+        # between the target stage and the drafter loop; an evaluation is one thread of work).
+        evaluator = InTrainingEval.from_config(cfg, target=eval_target, tokenizer=trainer.tokenizer)
+        untrained = evaluator(trainer.drafter)
+        untrained_speedup = evaluator.last_speedup
         trainer.trackers.log(untrained, 0)
         train_started = time.monotonic()
         trainer.train()
+        if trainer.stop_signal is not None:  # a stop signal ends the demo, not only its training
+            raise Interrupted(trainer.stop_signal)
         train_s = time.monotonic() - train_started
-        with _all_cores():
-            trained = evaluator(trainer.drafter)
+        trained = evaluator(trainer.drafter)
+        trained_speedup = evaluator.last_speedup
         trainer.trackers.log(trained, trainer.loop.optimizer_step)
     except BaseException:
         close_after_failure(trainer)
@@ -117,10 +127,14 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     run_dir = Path(cfg.run_dir)
     eval_dir = run_dir / "eval"
     eval_dir.mkdir(parents=True, exist_ok=True)
+    assert untrained_speedup is not None and trained_speedup is not None
     results = {
         "tau": trained["eval/tau"], "acceptance_hist": trained["eval/acceptance_hist"],
-        "lossless": bool(trained["eval/lossless"]), "speedup": trained["eval/speedup"],
+        "lossless": bool(trained["eval/lossless"]),
+        # speedup, speedup_reliable, speedup_unreliable_reasons, speedup_measurement
+        **trained_speedup.summary_fields(),
         "untrained_tau": untrained["eval/tau"], "untrained_lossless": bool(untrained["eval/lossless"]),
+        **{f"untrained_{k}": v for k, v in untrained_speedup.summary_fields().items()},
         "prompts": cfg.eval.prompts, "num_prompts": num_prompts,
         "max_new_tokens": cfg.eval.max_new_tokens, "steps": trainer.loop.optimizer_step,
         "dtype": dtype,
@@ -131,14 +145,9 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     }
     (eval_dir / "results.json").write_text(json.dumps(results, indent=1))
     report = write_report(run_dir)
-    rows = [("acceptance length tau", untrained["eval/tau"], trained["eval/tau"]),
-            ("decode speedup (CPU)", untrained["eval/speedup"], trained["eval/speedup"]),
-            ("lossless", bool(untrained["eval/lossless"]), bool(trained["eval/lossless"]))]
     print(f"\ndemo finished in {time.monotonic() - started:.0f} s "
           f"({trainer.loop.optimizer_step} training steps in {dtype}; evaluation in float32)")
-    print(f"  {'':24s} {'untrained':>10s} {'trained':>10s}")
-    for name, before, after in rows:
-        print(f"  {name:24s} {_fmt(before):>10s} {_fmt(after):>10s}")
+    print(_results_table(untrained, trained, (untrained_speedup, trained_speedup)))
     print(f"  run folder        {run_dir}\n"
           f"  resolved config   {run_dir / 'config.yaml'}\n"
           f"  metrics           {run_dir / 'metrics.jsonl'} (TensorBoard: {run_dir / 'tensorboard'})\n"

@@ -5,8 +5,9 @@ went wrong, where, and what to do``) and exits with the class's :attr:`UserError
 anything else is a bug and keeps its traceback. ``--debug`` or ``DFLASH_DEBUG=1`` shows the
 traceback for user errors too.
 
-Exit codes: 0 success or a graceful stop (SIGINT/SIGTERM, time limit), 1 data, target,
-checkpoint, disk or runtime errors, 2 usage and config errors. Each class also derives from
+Exit codes: 0 success or a graceful stop of ``train`` (SIGINT/SIGTERM while it trains, time
+limit), 1 data, target, checkpoint, disk, lock or runtime errors, 2 usage and config errors,
+130 / 143 a command interrupted by SIGINT / SIGTERM (:mod:`dflash_trainer.interrupts`). Each class also derives from
 the built-in exception it used to be (``ValueError``, ``RuntimeError``, ``OSError``), so code
 that catches those keeps working.
 """
@@ -61,3 +62,9 @@ class ServerError(UserError, RuntimeError):
     """An inference server (``regenerate --backend openai``) failed or answered nonsense."""
 
     kind = "server error"
+
+
+class LockError(UserError, RuntimeError):
+    """A folder is being written by another process (one writer per folder)."""
+
+    kind = "lock error"

@@ -5,7 +5,9 @@ target alone (greedy with a KV cache: the reference output and the baseline timi
 speculative decoding (:func:`dflash_trainer.spec_decode.speculative_generate`, i.e. the
 drafter's ``spec_generate``). At temperature 0 the two outputs must be identical token for
 token; a difference is a failure that names the prompt and the first differing position, and
-the command exits with status 1.
+the command exits with status 1. The two decodes of a prompt run back to back in alternating
+order under one thread count (:mod:`dflash_trainer.speedup`), so the speedup compares timings
+taken under the same conditions, and says when it cannot be trusted.
 
 A *request* is one generation: one turn of one prompt. Multi-turn prompts (MT-Bench has two
 turns) are played as the benchmark intends: the model's own answer to turn 1 (the speculative
@@ -43,6 +45,8 @@ from dflash_trainer.config import Config, save_config
 from dflash_trainer.errors import CheckpointError, ConfigError, DataError, TargetError
 from dflash_trainer.spec_decode import (Decoded, acceptance_spans, end_of_turn_ids, first_mismatch,
                                         piece_texts, speculative_generate, target_generate)
+from dflash_trainer.speedup import (Clock, PairedTimer, PairedTiming, SpeedupMeasurement, TimingRun,
+                                    describe_measurement, format_speedup)
 
 __all__ = ["EvalError", "EvalPrompt", "EvalReport", "InTrainingEval", "RequestResult", "acceptance_trace",
            "decode_request", "evaluate_prompts", "heldout_prompts", "load_models", "load_prompts", "main",
@@ -95,18 +99,22 @@ class RequestResult:
     """The user turn of this request."""
     trace: list[dict[str, Any]] = field(default_factory=list)
     """Per step: what was drafted and accepted (see the module docstring)."""
+    timing: PairedTiming | None = None
+    """The two decodes timed side by side; None when the baseline was not decoded beside the
+    speculative run (then there is no speedup)."""
 
     @property
     def speedup(self) -> float | None:
-        """Target-only time per decode token / speculative time per decode token."""
-        if min(self.target_decode_tokens, self.spec_decode_tokens) == 0 or self.spec_decode_s <= 0:
-            return None
-        return (self.target_decode_s / self.target_decode_tokens) / (self.spec_decode_s / self.spec_decode_tokens)
+        """Target-only time per decode token / speculative time per decode token, from the
+        paired timing only."""
+        return self.timing.speedup if self.timing is not None else None
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready dict (the ``per_prompt`` entry of ``results.json``)."""
         data = asdict(self)
+        del data["timing"]
         data["speedup"] = self.speedup
+        data["target_first"] = self.timing.target_first if self.timing is not None else None
         return data
 
 
@@ -267,14 +275,20 @@ def _mismatch(spec: list[int], target: list[int], tokenizer: Any) -> dict[str, A
     return {"position": pos, "speculative": at(spec), "target": at(target)}
 
 
-def decode_request(drafter: nn.Module, target: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
-                   stop_token_ids: Sequence[int], temperature: float = 0.0) -> tuple[Decoded, Decoded]:
-    """(target-only, speculative) decodes of one prompt ``[1, S]``."""
-    baseline = target_generate(target, input_ids, max_new_tokens=max_new_tokens,
-                               stop_token_ids=stop_token_ids, temperature=temperature)
-    spec = speculative_generate(drafter, target, input_ids, max_new_tokens=max_new_tokens,
-                                stop_token_ids=stop_token_ids, temperature=temperature)
-    return baseline, spec
+def decode_request(run: TimingRun, drafter: nn.Module, target: nn.Module, input_ids: torch.Tensor, *,
+                   max_new_tokens: int, stop_token_ids: Sequence[int],
+                   temperature: float = 0.0) -> tuple[Decoded, Decoded, PairedTiming]:
+    """(target-only, speculative) decodes of one prompt ``[1, S]``, back to back in ``run``."""
+
+    def baseline(clock: Clock) -> Decoded:
+        return target_generate(target, input_ids, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
+                               temperature=temperature, clock=clock)
+
+    def speculative(clock: Clock) -> Decoded:
+        return speculative_generate(drafter, target, input_ids, max_new_tokens=max_new_tokens,
+                                    stop_token_ids=stop_token_ids, temperature=temperature, clock=clock)
+
+    return run.pair(baseline, speculative)
 
 
 def acceptance_trace(spec: Decoded, tokenizer: Any = None) -> list[dict[str, Any]]:
@@ -299,8 +313,9 @@ def acceptance_trace(spec: Decoded, tokenizer: Any = None) -> list[dict[str, Any
 
 
 def request_result(prompt: EvalPrompt, turn: int, prompt_tokens: int, baseline: Decoded, spec: Decoded, *,
-                   temperature: float, tokenizer: Any = None, stop_token_ids: Sequence[int] = ()) -> RequestResult:
-    """Metrics of one request from its two decodes."""
+                   temperature: float, tokenizer: Any = None, stop_token_ids: Sequence[int] = (),
+                   timing: PairedTiming | None = None) -> RequestResult:
+    """Metrics of one request from its two decodes; a speedup only with their paired ``timing``."""
     steps = len(spec.acceptance_lengths)
     lossless = None
     mismatch = None
@@ -317,7 +332,7 @@ def request_result(prompt: EvalPrompt, turn: int, prompt_tokens: int, baseline: 
         acceptance_lengths=list(spec.acceptance_lengths), lossless=lossless, first_mismatch=mismatch,
         target_decode_s=baseline.decode_s, spec_decode_s=spec.decode_s,
         target_decode_tokens=baseline.decode_tokens, spec_decode_tokens=spec.decode_tokens,
-        output=output, prompt_text=prompt.turns[turn], trace=acceptance_trace(spec, tokenizer))
+        output=output, prompt_text=prompt.turns[turn], trace=acceptance_trace(spec, tokenizer), timing=timing)
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -328,11 +343,12 @@ def _rate(tokens: int, seconds: float) -> float | None:
     return tokens / seconds if tokens and seconds > 0 else None
 
 
-def summarize(requests: Sequence[RequestResult], *, block_size: int, temperature: float) -> dict[str, Any]:
-    """Summary of requests: tau (mean of per-request means), histogram over 1..B, speedup, tokens/s.
+def summarize(requests: Sequence[RequestResult], *, block_size: int, temperature: float,
+              speedup: SpeedupMeasurement | None = None) -> dict[str, Any]:
+    """Summary of requests: tau (mean of per-request means), histogram over 1..B, tokens/s and
+    the fields of the ``speedup`` measurement (paired timings, see :mod:`dflash_trainer.speedup`).
 
-    ``speedup`` = target-only decode time per token / speculative decode time per token, each
-    summed over all requests (prefill excluded).
+    Without a measurement ``speedup`` is None: decode rates timed apart are never divided.
     """
     taus = [r.tau for r in requests if r.tau is not None]
     hist = [0] * block_size
@@ -349,12 +365,14 @@ def summarize(requests: Sequence[RequestResult], *, block_size: int, temperature
             by_category.setdefault(r.category or "-", []).append(r.tau)
     checked = [r for r in requests if r.lossless is not None]
     failures = [r for r in checked if not r.lossless]
+    speedup_fields = speedup.summary_fields() if speedup is not None else {
+        "speedup": None, "speedup_reliable": None, "speedup_unreliable_reasons": [], "speedup_measurement": None}
     return {
         "tau": _mean(taus),
         "acceptance_hist": hist,
         "acceptance_hist_frac": [c / steps for c in hist] if steps else [0.0] * block_size,
         "tau_by_category": {k: _mean(v) for k, v in sorted(by_category.items())},
-        "speedup": spec_tps / target_tps if spec_tps and target_tps else None,
+        **speedup_fields,
         "target_tokens_per_s": target_tps,
         "spec_tokens_per_s": spec_tps,
         "lossless": (not failures) if checked else None,
@@ -371,39 +389,49 @@ def summarize(requests: Sequence[RequestResult], *, block_size: int, temperature
 def evaluate_prompts(drafter: nn.Module, target: nn.Module, tokenizer: Any, prompts: Sequence[EvalPrompt], *,
                      max_new_tokens: int, temperature: float = 0.0, thinking: bool = False,
                      stop_token_ids: Sequence[int] | None = None, warmup: bool = True,
-                     log: Callable[[str], None] | None = None) -> EvalReport:
-    """Decode every turn of every prompt with the target alone and speculatively.
+                     log: Callable[[str], None] | None = None, timer: PairedTimer | None = None) -> EvalReport:
+    """Decode every turn of every prompt with the target alone and speculatively, back to back.
 
     Turn k + 1 follows the speculative answer to turn k. ``warmup`` first runs both decoders
     briefly on the first prompt so one-time costs (allocation, kernel setup) stay out of the
-    timings.
+    timings. ``timer`` sets the threads, clock and load probe of the paired timings (default:
+    the cores free at the start, ``time.perf_counter``, the OS's load figures).
     """
     device = next(target.parameters()).device
     stops = list(stop_token_ids) if stop_token_ids is not None else end_of_turn_ids(
         tokenizer, getattr(target, "generation_config", None))
     block_size = int(drafter.block_size)
-    if warmup and prompts:
-        ids = _prompt_ids(tokenizer, prompts[0], [], 0, thinking, device)
-        decode_request(drafter, target, ids, max_new_tokens=min(max_new_tokens, 2 * block_size),
-                       stop_token_ids=stops, temperature=temperature)
     requests: list[RequestResult] = []
     total = sum(len(p.turns) for p in prompts)
-    for prompt in prompts:
-        answers: list[str] = []
-        for turn in range(len(prompt.turns)):
-            ids = _prompt_ids(tokenizer, prompt, answers, turn, thinking, device)
-            baseline, spec = decode_request(drafter, target, ids, max_new_tokens=max_new_tokens,
-                                            stop_token_ids=stops, temperature=temperature)
-            result = request_result(prompt, turn, ids.shape[1], baseline, spec, temperature=temperature,
-                                    tokenizer=tokenizer, stop_token_ids=stops)
-            answers.append(result.output)
-            requests.append(result)
-            if log is not None:
-                tau = f"{result.tau:.2f}" if result.tau is not None else "-"
-                status = {True: "lossless", False: "MISMATCH", None: "sampled"}[result.lossless]
-                log(f"[{len(requests)}/{total}] {prompt.id} turn {turn + 1}: {result.tokens} tokens, "
-                    f"{result.steps} steps, tau {tau}, {status}")
-    summary = summarize(requests, block_size=block_size, temperature=temperature)
+    with (timer or PairedTimer()).run() as run:
+        if log is not None:
+            log(f"timing: {run.threads} torch thread{'s' if run.threads > 1 else ''} on {run.cpus} cores "
+                f"(other work before: {_fmt(run.before.others_running, '.1f')} runnable threads, "
+                f"1-min load {_fmt(run.before.load_1m, '.2f')})")
+        if warmup and prompts:
+            ids = _prompt_ids(tokenizer, prompts[0], [], 0, thinking, device)
+            short = min(max_new_tokens, 2 * block_size)
+            target_generate(target, ids, max_new_tokens=short, stop_token_ids=stops, temperature=temperature)
+            speculative_generate(drafter, target, ids, max_new_tokens=short, stop_token_ids=stops,
+                                 temperature=temperature)
+        for prompt in prompts:
+            answers: list[str] = []
+            for turn in range(len(prompt.turns)):
+                ids = _prompt_ids(tokenizer, prompt, answers, turn, thinking, device)
+                baseline, spec, timing = decode_request(run, drafter, target, ids, max_new_tokens=max_new_tokens,
+                                                        stop_token_ids=stops, temperature=temperature)
+                result = request_result(prompt, turn, ids.shape[1], baseline, spec, temperature=temperature,
+                                        tokenizer=tokenizer, stop_token_ids=stops, timing=timing)
+                answers.append(result.output)
+                requests.append(result)
+                if log is not None:
+                    tau = f"{result.tau:.2f}" if result.tau is not None else "-"
+                    status = {True: "lossless", False: "MISMATCH", None: "sampled"}[result.lossless]
+                    first = "target" if timing.target_first else "speculative"
+                    log(f"[{len(requests)}/{total}] {prompt.id} turn {turn + 1}: {result.tokens} tokens, "
+                        f"{result.steps} steps, tau {tau}, {status}, speedup {_fmt(result.speedup, '.2f')} "
+                        f"({first} first)")
+    summary = summarize(requests, block_size=block_size, temperature=temperature, speedup=run.measurement)
     summary.update(max_new_tokens=max_new_tokens, stop_token_ids=stops, device=str(device),
                    dtype=str(next(target.parameters()).dtype).removeprefix("torch."))
     return EvalReport(summary=summary, requests=requests)
@@ -467,8 +495,11 @@ def print_summary(report: EvalReport, file: Any = None) -> None:
     lines.append(f"{'all':<20} {s['requests']:>8} {_fmt(s['tau']):>7}")
     hist = " ".join(f"{k + 1}:{f * 100:.1f}%" for k, f in enumerate(s["acceptance_hist_frac"]) if f > 0)
     lines.append(f"acceptance length histogram: {hist or 'no steps'}")
+    speedup = format_speedup(s["speedup"], s.get("speedup_reliable"), s.get("speedup_unreliable_reasons"))
     lines.append(f"decode tokens/s (prefill excluded): target {_fmt(s['target_tokens_per_s'], '.1f')}, "
-                 f"speculative {_fmt(s['spec_tokens_per_s'], '.1f')}, speedup {_fmt(s['speedup'], '.2f')}x")
+                 f"speculative {_fmt(s['spec_tokens_per_s'], '.1f')}, speedup {speedup}")
+    if s.get("speedup_measurement") is not None:
+        lines.append(f"speedup measured: {describe_measurement(s['speedup_measurement'])}")
     if s["lossless"] is None:
         lines.append("lossless: not checked (temperature > 0: outputs are samples)")
     else:
@@ -488,19 +519,21 @@ def print_summary(report: EvalReport, file: Any = None) -> None:
 class InTrainingEval:
     """Greedy speculative decoding on a small fixed prompt set, for the training loop.
 
-    Built once from rendered prompts (token ids): the target's own greedy outputs (the lossless
-    reference and the baseline timing) are computed here, so each call only runs the
-    speculative decodes. A call returns ``eval/tau``, ``eval/acceptance_hist`` (step counts for
-    acceptance lengths 1..B), ``eval/lossless`` (1 if every output equals the target's greedy
-    output, else 0), ``eval/speedup`` and ``eval/spec_tokens_per_s``. The drafter is switched
-    to eval mode under ``no_grad`` and returned to its previous mode. :attr:`last_requests`
-    keeps the per-prompt results of the latest call (with texts given a ``tokenizer``), for
-    an evaluation file's ``per_prompt`` list.
+    Built once from rendered prompts (token ids). Every call decodes each prompt with the
+    target alone (the lossless reference and the baseline timing) and speculatively, back to
+    back (:mod:`dflash_trainer.speedup`): a baseline timed at another moment, under other load,
+    is never divided into a speedup. A call returns ``eval/tau``, ``eval/acceptance_hist`` (step
+    counts for acceptance lengths 1..B), ``eval/lossless`` (1 if every output equals the
+    target's greedy output, else 0), ``eval/speedup``, ``eval/speedup_reliable`` (1 or 0) and
+    ``eval/spec_tokens_per_s``. The drafter is switched to eval mode under ``no_grad`` and
+    returned to its previous mode. :attr:`last_requests` keeps the per-prompt results of the
+    latest call (with texts given a ``tokenizer``), for an evaluation file's ``per_prompt``
+    list, and :attr:`last_speedup` its speedup measurement.
     """
 
     def __init__(self, target: nn.Module, inputs: Sequence[Sequence[int]], *, max_new_tokens: int,
                  stop_token_ids: Sequence[int], tokenizer: Any = None,
-                 prompt_texts: Sequence[str] | None = None) -> None:
+                 prompt_texts: Sequence[str] | None = None, timer: PairedTimer | None = None) -> None:
         if not inputs or not all(len(ids) > 0 for ids in inputs):
             raise ValueError("InTrainingEval needs at least one non-empty prompt")
         self.target = target
@@ -510,12 +543,12 @@ class InTrainingEval:
         self.tokenizer = tokenizer
         texts = list(prompt_texts) if prompt_texts is not None else [""] * len(inputs)
         self.prompts = [EvalPrompt(id=f"train-eval-{i}", turns=[text]) for i, text in enumerate(texts)]
+        self.timer = timer or PairedTimer()
         self.last_requests: list[RequestResult] = []
+        self.last_speedup: SpeedupMeasurement | None = None
         self.inputs = [torch.tensor([list(ids)], dtype=torch.long, device=self.device) for ids in inputs]
         target_generate(target, self.inputs[0], max_new_tokens=min(max_new_tokens, 8),
                         stop_token_ids=self.stop_token_ids)  # warm-up, not timed
-        self.baselines = [target_generate(target, ids, max_new_tokens=max_new_tokens,
-                                          stop_token_ids=self.stop_token_ids) for ids in self.inputs]
 
     @classmethod
     def from_prompts(cls, target: nn.Module, tokenizer: Any, prompts: Sequence[str], *, max_new_tokens: int,
@@ -543,19 +576,23 @@ class InTrainingEval:
             raise ValueError(f"InTrainingEval: the drafter is on {param.device}, the target on {self.device}")
         requests = []
         # speculative_generate switches the drafter to eval mode and restores its mode after.
-        with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
-            for prompt, ids, baseline in zip(self.prompts, self.inputs, self.baselines):
-                spec = speculative_generate(module, self.target, ids, max_new_tokens=self.max_new_tokens,
-                                            stop_token_ids=self.stop_token_ids)
+        with torch.no_grad(), torch.autocast(self.device.type, enabled=False), self.timer.run() as run:
+            for prompt, ids in zip(self.prompts, self.inputs):
+                baseline, spec, timing = decode_request(run, module, self.target, ids,
+                                                        max_new_tokens=self.max_new_tokens,
+                                                        stop_token_ids=self.stop_token_ids)
                 requests.append(request_result(prompt, 0, ids.shape[1], baseline, spec, temperature=0.0,
-                                               tokenizer=self.tokenizer, stop_token_ids=self.stop_token_ids))
+                                               tokenizer=self.tokenizer, stop_token_ids=self.stop_token_ids,
+                                               timing=timing))
         self.last_requests = requests
-        s = summarize(requests, block_size=int(module.block_size), temperature=0.0)
+        self.last_speedup = run.measurement
+        s = summarize(requests, block_size=int(module.block_size), temperature=0.0, speedup=run.measurement)
         nan = float("nan")
         return {"eval/tau": s["tau"] if s["tau"] is not None else nan,
                 "eval/acceptance_hist": s["acceptance_hist"],
                 "eval/lossless": int(bool(s["lossless"])),
                 "eval/speedup": s["speedup"] if s["speedup"] is not None else nan,
+                "eval/speedup_reliable": nan if s["speedup_reliable"] is None else int(s["speedup_reliable"]),
                 "eval/spec_tokens_per_s": s["spec_tokens_per_s"] if s["spec_tokens_per_s"] is not None else nan}
 
 
@@ -588,7 +625,7 @@ def load_models(cfg: Config, drafter_dir: Path) -> tuple[nn.Module, nn.Module, A
     target, tokenizer = load_target(str(target_path), device=device, dtype=dtype)
     drafter = load_drafter(drafter_dir, dtype=dtype).to(device).eval()
     try:
-        check_compatible(drafter.config, target.config)
+        check_compatible(drafter.config, target.config, tokenizer=tokenizer)
     except ValueError as exc:
         raise CheckpointError(f"--drafter {drafter_dir} does not fit the target {target_path}: {exc}; pass "
                               "the target it was trained for (--target) or a drafter trained for "

@@ -1,15 +1,24 @@
-"""File-system helpers used across the project: atomic writes, hashing, ``step-N`` names.
+"""File-system helpers used across the project: atomic writes, hashing, ``step-N`` names,
+disk errors that name their folder.
 
 Atomic means a reader sees the old content or the new one, never half: everything is written
 under a temporary name in the same folder and renamed into place. ``durable=True`` also fsyncs
 the file and its folder, so the rename survives a power loss (checkpoints need that; caches
 do not).
+
+A folder being filled by :func:`write_dir_atomically` is named ``.NAME.tmp-PID-XXXX`` and
+``flock``-ed by its writer while it exists. A writer killed outright (SIGKILL, power loss)
+leaves it behind; :func:`remove_stale_temp_dirs` deletes such folders once their writer is
+gone (the kernel released the lock and the pid has ended), and the next write into the same
+folder calls it.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -17,11 +26,18 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from dflash_trainer.errors import DiskError
+
+log = logging.getLogger(__name__)
+
 _STEP = re.compile(r"step-(\d+)")
+_TEMP_DIR = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[^/]+")
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES,
-                         errno.EPERM})
+                         errno.EPERM, errno.ENOTDIR, errno.EISDIR})
 """OSError numbers that mean a folder cannot be written (full, over quota or a file size limit,
-read-only, no permission): user errors, not bugs."""
+read-only, no permission, a file where a folder is expected or the reverse): user errors, not
+bugs."""
+DISK_FIX = "free space or fix the permissions there, or choose another folder"
 
 
 def _read_umask() -> int:
@@ -44,11 +60,24 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def disk_error_for(path: Path | str, error: OSError, *, fix: str = DISK_FIX) -> DiskError:
+    """The one-line :class:`DiskError` of ``error`` while writing ``path``: what, why, the fix."""
+    return DiskError(f"cannot write {path}: {os.strerror(error.errno or 0)}; {fix}")
+
+
 def atomic_write_text(path: Path, text: str, *, durable: bool = False) -> None:
-    """Write a text file by rename (creating its folder); ``durable`` fsyncs file and folder."""
+    """Write a text file by rename (creating its folder); ``durable`` fsyncs file and folder.
+
+    A full, read-only or unwritable disk raises :class:`DiskError` naming ``path``.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as exc:
+        if disk_oserror(exc) is None:
+            raise
+        raise disk_error_for(path, exc) from exc
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
@@ -57,31 +86,112 @@ def atomic_write_text(path: Path, text: str, *, durable: bool = False) -> None:
                 os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and disk_oserror(exc) is not None:
+            raise disk_error_for(path, exc) from exc
         raise
     if durable:
         fsync_path(path.parent)
 
 
+def _locked_temp_dir(parent: Path, prefix: str) -> tuple[Path, int]:
+    """A fresh folder ``PREFIX-PID-XXXX`` in ``parent`` and the fd of its ``flock``: the lock
+    tells :func:`remove_stale_temp_dirs` that its writer is alive."""
+    folder = Path(tempfile.mkdtemp(dir=parent, prefix=f"{prefix}-{os.getpid()}-"))
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return folder, fd
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def remove_stale_temp_dirs(parent: Path) -> list[Path]:
+    """Delete the temporary folders of :func:`write_dir_atomically` in ``parent`` whose writer
+    is gone (killed outright); return them.
+
+    A folder counts as stale when nothing holds its ``flock`` and its writer's pid (in its
+    name) has ended. A swapped-out ``.NAME.old-*`` folder whose ``NAME`` is missing (the writer
+    died between the two renames of a replace) is renamed back instead: it is the previous
+    content.
+    """
+    parent = Path(parent)
+    try:
+        entries = list(parent.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    for folder in entries:
+        match = _TEMP_DIR.fullmatch(folder.name)
+        if match is None or folder.is_symlink() or not folder.is_dir():
+            continue
+        pid = int(match["pid"])
+        if pid == os.getpid() or pid_alive(pid):
+            continue
+        try:
+            fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            continue  # removed meanwhile, or unreadable: not ours to judge
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # a child process of the dead writer still holds it
+        try:
+            original = parent / match["name"]
+            if match["kind"] == "old" and not original.exists():
+                os.rename(folder, original)
+                log.warning("restored %s from %s, left by a writer (pid %d) that was killed "
+                            "while replacing it", original, folder.name, pid)
+                continue
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+            log.warning("removed %s, left by a writer (pid %d) that was killed", folder, pid)
+        finally:
+            os.close(fd)
+    return removed
+
+
 def write_dir_atomically(out_dir: Path, write: Callable[[Path], None], *,
-                         replace: bool = False) -> bool:
+                         replace: bool = False, fix: str = DISK_FIX) -> bool:
     """Fill a fresh temporary folder with ``write`` and rename it to ``out_dir``.
 
-    A failure leaves no ``out_dir`` and no temporary folder. Without ``replace``, an
-    ``out_dir`` that exists (another process finished first) is kept and this call's folder is
-    discarded; with ``replace`` it is swapped out and deleted. Returns whether this call's
-    folder became ``out_dir``.
+    A failure leaves no ``out_dir`` and no temporary folder; a kill leaves one that the next
+    call into the same parent folder removes (see :func:`remove_stale_temp_dirs`). Without
+    ``replace``, an ``out_dir`` that exists (another process finished first) is kept and this
+    call's folder is discarded; with ``replace`` it is swapped out and deleted. Returns whether
+    this call's folder became ``out_dir``. A full, read-only or unwritable disk raises
+    :class:`DiskError` naming ``out_dir`` and ``fix``.
     """
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temp_dirs(out_dir.parent)
+        tmp, tmp_lock = _locked_temp_dir(out_dir.parent, f".{out_dir.name}.tmp")
+    except OSError as exc:
+        if disk_oserror(exc) is None:
+            raise
+        raise disk_error_for(out_dir, exc, fix=fix) from exc
+    old: Path | None = None
+    old_lock: int | None = None
     try:
         os.chmod(tmp, 0o777 & ~_UMASK)
         write(tmp)
-        old = None
         if replace and out_dir.exists():
-            old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
+            old = Path(tempfile.mkdtemp(dir=out_dir.parent,
+                                        prefix=f".{out_dir.name}.old-{os.getpid()}-"))
+            # The lock goes with the folder being swapped out, not with the empty name.
+            old_lock = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            fcntl.flock(old_lock, fcntl.LOCK_EX)
             os.replace(out_dir, old)
         try:
             os.rename(tmp, out_dir)
@@ -89,12 +199,21 @@ def write_dir_atomically(out_dir: Path, write: Callable[[Path], None], *,
             if not out_dir.is_dir():
                 raise
             return False
-        finally:
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
         return True
+    except OSError as exc:
+        if disk_oserror(exc) is None or isinstance(exc, DiskError):
+            raise
+        raise disk_error_for(out_dir, exc, fix=fix) from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(tmp_lock)
+        if old is not None:
+            if out_dir.exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:  # swapped out, then the new folder failed to take its place: put it back
+                os.rename(old, out_dir)
+        if old_lock is not None:
+            os.close(old_lock)
 
 
 def sha256_file(path: Path, *, chunk_size: int = 1 << 22) -> str:

@@ -212,7 +212,7 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     drafter, target, tokenizer, target_path = load_models(cfg, Path(args.drafter))
     torch.manual_seed(cfg.training.seed)
     colour = stream.isatty() and not os.environ.get("NO_COLOR")
-    max_new_tokens = args.max_new_tokens or cfg.eval.max_new_tokens
+    max_new_tokens = cfg.eval.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens
     temperature = cfg.eval.temperature if args.temperature is None else args.temperature
     stops = end_of_turn_ids(tokenizer, getattr(target, "generation_config", None))
     param = next(target.parameters())

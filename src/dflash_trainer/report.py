@@ -6,11 +6,12 @@ acceptance lengths 1..B, per-prompt results with their acceptance traces) and ``
 writes ``report/*.png`` and ``report/index.html``.
 
 The page opens with the answer to "did it work?": tau before and after training, the
-lossless check, and the loss (with the length bucket of every step underneath) and tau
-curves side by side. Then a few evaluated answers with the accepted draft tokens
-highlighted, a per-prompt table, and the remaining plots in a grid, each captioned with
-what a healthy curve looks like. A metric the run did not log gives a "no data" plot, not
-an error. Figures are drawn without pyplot, so the process-wide pyplot backend is left alone.
+lossless check, the decode speedup (marked when the evaluation found it unreliable), and
+the loss (with the length bucket of every step underneath) and tau curves side by side. Then
+a few evaluated answers with the accepted draft tokens highlighted, a per-prompt table, and
+the remaining plots in a grid, each captioned with what a healthy curve looks like. A metric
+the run did not log gives a "no data" plot, not an error. Figures are drawn without pyplot,
+so the process-wide pyplot backend is left alone.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.figure import Figure
 
 from dflash_trainer.config import Config
+from dflash_trainer.speedup import describe_measurement, format_speedup
 
 Series = tuple[list[int], list[float]]
 
@@ -165,6 +167,14 @@ class EvalResult:
             return []
         return [r for r in requests if isinstance(r, dict) and isinstance(r.get("trace"), list)
                 and r["trace"] and all(isinstance(e, dict) and "text" in e for e in r["trace"])]
+
+    def speedup_label(self, prefix: str = "") -> str | None:
+        """``{prefix}speedup`` with its reliability mark (``0.78 (unreliable: ...)``); None when
+        the file has no such field."""
+        if f"{prefix}speedup" not in self.data:
+            return None
+        return format_speedup(self.data[f"{prefix}speedup"], self.data.get(f"{prefix}speedup_reliable"),
+                              self.data.get(f"{prefix}speedup_unreliable_reasons"))
 
     @property
     def acceptance_hist(self) -> list[float] | None:
@@ -567,6 +577,20 @@ def _first_screen(log: MetricsLog, evals: list[EvalResult]) -> str:
         _card("training", f"{_fmt(steps, '{:d}')} steps",
               f"{_duration(wall)} wall time, final loss {_fmt(log.last('train/loss'))}"),
     ]
+    speedup = next((e for e in evals if e.speedup_label() is not None), None)
+    if speedup is not None:
+        data = speedup.data
+        reliable, reasons = data.get("speedup_reliable"), data.get("speedup_unreliable_reasons")
+        value = format_speedup(data["speedup"], True)  # the bare figure; the mark goes below
+        if reliable is False:
+            value += " (unreliable)"
+            note = "unreliable: " + ("; ".join(map(str, reasons)) if isinstance(reasons, list) else "see below")
+        elif reliable is True:
+            note = "target-only and speculative decodes timed side by side"
+        else:
+            note = "reliability not recorded"
+        cards.append(_card("decode speedup", value, f"{note} (eval/{speedup.name})",
+                           "bad" if reliable is False else ""))
     figures = "".join(_figure_html(p) for p in PLOTS if p.file in HEADLINE)
     return (f"<h2>Did it work?</h2><div class='cards'>{''.join(cards)}</div>"
             f"<div class='pair'>{figures}</div>")
@@ -640,7 +664,13 @@ def _eval_section(evals: list[EvalResult], skipped: list[str]) -> str:
     for e in evals:
         rows = []
         for key, value in e.data.items():
-            if isinstance(value, list) and key != "acceptance_hist":
+            if key.endswith(("speedup_reliable", "speedup_unreliable_reasons")):
+                continue  # folded into the speedup row
+            if key in ("speedup", "untrained_speedup"):
+                rows.append((key, e.speedup_label(key.removesuffix("speedup")) or "-"))
+            elif key.endswith("speedup_measurement"):
+                rows.append((key, describe_measurement(value)))
+            elif isinstance(value, list) and key != "acceptance_hist":
                 rows.append((key, f"{len(value)} entries"))
             elif not isinstance(value, (list, dict)):
                 rows.append((key, _fmt(value)))

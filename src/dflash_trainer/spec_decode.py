@@ -8,7 +8,9 @@ around it. The baseline is the target's plain decode with a KV cache, one token 
 Timing excludes the prefill: the clock of the decode phase starts when the target's first
 forward (the prompt) returns, for both. The drafter's first call (which also projects the
 prompt's context features into the draft cache) counts as decode time, which is conservative.
-On CUDA the device is synchronised at every clock reading.
+On CUDA the device is synchronised at every clock reading. Both decoders take the clock as an
+argument (``time.perf_counter`` by default) so that a paired timing
+(:mod:`dflash_trainer.speedup`) hands both arms its own.
 
 The acceptance trace (what the drafter proposed at each verify step and how much of it the
 target accepted) is read off the target's forward inputs with a pre-hook: every verify
@@ -30,6 +32,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 from transformers import DynamicCache
+
+from dflash_trainer.speedup import Clock
 
 __all__ = ["Decoded", "Span", "VerifyStep", "acceptance_spans", "end_of_turn_ids", "first_mismatch",
            "piece_texts", "speculative_generate", "target_generate"]
@@ -85,13 +89,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _now(device: torch.device) -> float:
+def _now(device: torch.device, clock: Clock) -> float:
     _sync(device)
-    return time.perf_counter()
+    return clock()
 
 
 @contextmanager
-def _first_forward_end(module: nn.Module, device: torch.device) -> Iterator[list[float]]:
+def _first_forward_end(module: nn.Module, device: torch.device, clock: Clock) -> Iterator[list[float]]:
     """Yields a list that receives the time at which ``module``'s first forward in this thread
     returns; calls from other threads (a training pipeline sharing the target) are ignored."""
     thread = threading.get_ident()
@@ -99,7 +103,7 @@ def _first_forward_end(module: nn.Module, device: torch.device) -> Iterator[list
 
     def hook(_module: nn.Module, _args: Any, _output: Any) -> None:
         if not stamps and threading.get_ident() == thread:
-            stamps.append(_now(device))
+            stamps.append(_now(device, clock))
 
     handle = module.register_forward_hook(hook)
     try:
@@ -123,11 +127,13 @@ def _check_prompt(input_ids: torch.Tensor, max_new_tokens: int) -> None:
 
 @torch.inference_mode()
 def target_generate(target: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
-                    stop_token_ids: Sequence[int], temperature: float = 0.0) -> Decoded:
+                    stop_token_ids: Sequence[int], temperature: float = 0.0,
+                    clock: Clock = time.perf_counter) -> Decoded:
     """The target's own decode of ``input_ids`` ``[1, S]`` with a KV cache, one token per forward.
 
     Greedy at ``temperature == 0``, else sampling from ``softmax(logits / temperature)``.
     Stops after a token in ``stop_token_ids`` (kept in the output) or ``max_new_tokens``.
+    ``clock`` times the prefill and the decode.
     """
     _check_prompt(input_ids, max_new_tokens)
     device = input_ids.device
@@ -135,16 +141,16 @@ def target_generate(target: nn.Module, input_ids: torch.Tensor, *, max_new_token
     # transformers 5.x renames past_key_values to cache (the old name warns until 5.40).
     cache_arg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
     cache = {cache_arg: DynamicCache()}
-    start = _now(device)
+    start = _now(device, clock)
     out = target(input_ids, use_cache=True, logits_to_keep=1, **cache)
     token = _pick(out.logits[:, -1], temperature)
     tokens = [int(token)]
-    prefill_end = _now(device)
+    prefill_end = _now(device, clock)
     while len(tokens) < max_new_tokens and tokens[-1] not in stops:
         out = target(token[:, None], use_cache=True, **cache)
         token = _pick(out.logits[:, -1], temperature)
         tokens.append(int(token))
-    end = _now(device)
+    end = _now(device, clock)
     return Decoded(tokens=tokens, prefill_s=prefill_end - start, decode_s=end - prefill_end)
 
 
@@ -196,14 +202,16 @@ class _VerifyTrace:
 def speculative_generate(drafter: nn.Module, target: nn.Module, input_ids: torch.Tensor, *,
                          max_new_tokens: int, stop_token_ids: Sequence[int],
                          temperature: float = 0.0,
-                         on_span: Callable[[Span], None] | None = None) -> Decoded:
+                         on_span: Callable[[Span], None] | None = None,
+                         clock: Clock = time.perf_counter) -> Decoded:
     """Speculative decoding of ``input_ids`` ``[1, S]`` with ``drafter.spec_generate``.
 
     ``drafter`` is a ``DFlashDraftModel`` (in-project or loaded through ``trust_remote_code``)
     on the target's device. Its train/eval mode is restored afterwards (``spec_generate``
     switches to eval mode; not every modeling file switches back). ``on_span`` receives the
     committed tokens step by step while decoding runs (one step behind the target, plus the
-    rest at the end), for streaming output; it costs one host sync per step.
+    rest at the end), for streaming output; it costs one host sync per step. ``clock`` times
+    the prefill and the decode.
     """
     _check_prompt(input_ids, max_new_tokens)
     device = input_ids.device
@@ -211,12 +219,12 @@ def speculative_generate(drafter: nn.Module, target: nn.Module, input_ids: torch
     trace = _VerifyTrace(on_span)
     handle = target.register_forward_pre_hook(trace, with_kwargs=True)
     try:
-        with _first_forward_end(target, device) as prefill_end:
-            start = _now(device)
+        with _first_forward_end(target, device, clock) as prefill_end:
+            start = _now(device, clock)
             stats = drafter.spec_generate(target=target, input_ids=input_ids, max_new_tokens=max_new_tokens,
                                           stop_token_ids=list(stop_token_ids), temperature=temperature,
                                           return_stats=True)
-            end = _now(device)
+            end = _now(device, clock)
     finally:
         handle.remove()
         drafter.train(was_training)

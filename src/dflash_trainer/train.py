@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -24,16 +25,18 @@ import torch
 import yaml
 
 from dflash_trainer.checkpoint import (
-    LATEST, Checkpointer, ResumeError, SaveRequest, load_state, resolve_resume, snapshot)
+    Checkpointer, ResumeError, SaveRequest, checkpoint_names, load_state, resolve_resume,
+    snapshot)
 from dflash_trainer.cli import disk_error
 from dflash_trainer.components import Components, build
 from dflash_trainer.config import Config, config_to_dict, save_config
 from dflash_trainer.distributed import (
     DistInfo, check_distributed_options, close_distributed, full_model_state,
     full_optimizer_state, init_distributed, is_sharded, load_model_state, load_optimizer_state)
-from dflash_trainer.errors import UserError
+from dflash_trainer.errors import ConfigError, UserError
 from dflash_trainer.fsutil import step_of
-from dflash_trainer.model.export import export_drafter
+from dflash_trainer.locks import FolderLock, run_folder_lock
+from dflash_trainer.model.export import check_fits_target, export_drafter, read_drafter_config
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
 from dflash_trainer.pipeline.batch import Batch
 from dflash_trainer.pipeline.pipeline import PipelineSettings, TrainingPipeline, plan_metrics
@@ -50,6 +53,48 @@ RESUME_KEYS = ("data", "model", "pipeline.num_buckets", "pipeline.bucket_boundar
                "training.seed", "training.num_anchors", "training.grad_accum")
 # Inside RESUME_KEYS but free to change: where things are stored, not what they are.
 RESUME_FREE = frozenset({"data.cache_dir"})
+RUN_OUTPUTS = ("checkpoints", "drafter", "metrics.jsonl", "tensorboard", "wandb", "report", "eval",
+               "config.yaml")
+"""What a run writes into its run folder; ``--overwrite`` deletes these and nothing else."""
+
+
+def earlier_run(run_dir: Path) -> list[str]:
+    """What an earlier run left in ``run_dir`` that a fresh run would overwrite or mix with:
+    its checkpoints (complete or not), its metrics and its exported drafter."""
+    found = []
+    names = checkpoint_names(run_dir / "checkpoints")
+    if names:
+        found.append(f"checkpoints {', '.join(names)}")
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        found.append("metrics.jsonl")
+    if (run_dir / "drafter").exists():
+        found.append("drafter/")
+    return found
+
+
+def data_identity(data: Any) -> dict[str, Any] | None:
+    """What the resume check compares: a token store's content hash, its folder and size (None
+    for data passed in without a hash). A store older than the hash is hashed here, once."""
+    digest = getattr(data, "content_hash", None)
+    if digest is None:
+        return None
+    return {"sha256": digest, "store": str(getattr(data, "path", "")), "samples": len(data)}
+
+
+def check_same_data(saved: dict[str, Any] | None, current: dict[str, Any] | None, *,
+                    folder: Path) -> None:
+    """Refuse a resume whose token store content differs from the checkpoint's (a data file
+    edited in place keeps its path, so the config alone cannot tell)."""
+    if saved is None or current is None or saved["sha256"] == current["sha256"]:
+        return
+    raise ResumeError(
+        f"cannot resume from {folder}: the training data changed since the checkpoint: its token "
+        f"store held {saved['samples']} samples with content sha256 {saved['sha256'][:16]} "
+        f"({saved['store']}), the data now gives {current['samples']} samples with "
+        f"{current['sha256'][:16]} ({current['store']}); a file in data.paths was changed in "
+        f"place. Restore the data the run was started with to resume it, or start over with "
+        f"--overwrite (or another run_dir)")
 
 
 def _pick(cfg: dict[str, Any], dotted: str) -> Any:
@@ -133,8 +178,10 @@ class Trainer:
     checkpoint holds and :meth:`load_state_dict` the one place a resume is applied.
     """
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, overwrite: bool = False) -> None:
         self.cfg = cfg
+        self.overwrite = overwrite
+        """Start over in a run folder that holds an earlier run, deleting its outputs."""
         self.dist: DistInfo = init_distributed(cfg.pipeline, cfg.distributed)
         check_distributed_options(cfg.distributed, self.dist,
                                   in_training_eval=bool(cfg.eval.every_steps))
@@ -146,7 +193,18 @@ class Trainer:
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
-        self.parts: Components = build(cfg, self.dist)
+        self.run_lock: FolderLock | None = None
+        """``RUN_DIR/.lock``, held by rank 0 from here until :meth:`close`."""
+        self._take_run_lock()
+        try:
+            # Before the slow build: a refusal comes at once.
+            self._check_run_folder()
+            self.parts: Components = build(cfg, self.dist)
+            self.data_identity = data_identity(self.parts.data)
+            """The data's content hash, folder and size: saved in checkpoints, checked on resume."""
+        except BaseException:
+            self.release_run_lock()
+            raise
         self.stopped_by: str | None = None
         """Why :meth:`train` ended: completed, max_time_s, stop_after_steps or signal NAME."""
         self._best = BestCheckpoint(by_eval=bool(cfg.eval.every_steps))
@@ -157,6 +215,8 @@ class Trainer:
             # it was.
             resume = self._read_resume()
             if self.dist.is_main:
+                if overwrite:
+                    self._remove_earlier_run()
                 save_config(cfg, self.run_dir)
             self.checkpointer = Checkpointer(self.ckpt_dir, keep_last=cfg.checkpoint.keep_last,
                                              async_save=cfg.checkpoint.async_save)
@@ -227,22 +287,87 @@ class Trainer:
         """The target's and the autocast dtype."""
         return self.parts.compute_dtype
 
+    @property
+    def stop_signal(self) -> int | None:
+        """The signal that stopped :meth:`train` (SIGTERM, SIGINT), or None."""
+        name = (self.stopped_by or "").removeprefix("signal ")
+        return signal.Signals[name].value if name in signal.Signals.__members__ else None
+
+    # -- the run folder -------------------------------------------------------------------
+
+    def _take_run_lock(self) -> None:
+        """Lock the run folder (rank 0), or refuse on every rank when another process holds it.
+
+        Only rank 0 writes into the run folder, so only rank 0 locks it; the outcome is
+        broadcast so that every rank refuses together instead of waiting for rank 0 forever.
+        """
+        refusal: UserError | None = None
+        if self.dist.is_main:
+            try:
+                self.run_lock = run_folder_lock(self.run_dir).acquire()
+            except UserError as exc:
+                refusal = exc
+        if self.dist.enabled:
+            box: list[Any] = [None if refusal is None else (type(refusal), str(refusal))]
+            torch.distributed.broadcast_object_list(box, src=0)
+            if box[0] is not None and refusal is None:
+                kind, message = box[0]
+                refusal = kind(message)
+        if refusal is not None:
+            raise refusal
+
+    def release_run_lock(self) -> None:
+        """Release the run folder's lock (idempotent)."""
+        if self.run_lock is not None:
+            self.run_lock.release()
+
+    def _check_run_folder(self) -> None:
+        """Refuse a fresh run into a folder that holds an earlier run (its checkpoints, metrics
+        or exported drafter), unless :attr:`overwrite`; refuse ``overwrite`` with a resume."""
+        resume = self.cfg.checkpoint.resume
+        if self.overwrite and resume:
+            raise ConfigError(f"--overwrite starts the run in {self.run_dir} over; it cannot be "
+                              f"combined with checkpoint.resume={resume} (drop one of them)")
+        earlier = earlier_run(self.run_dir)
+        if resume or self.overwrite or not earlier:
+            return
+        raise ResumeError(
+            f"run folder {self.run_dir} holds an earlier run ({'; '.join(earlier)}); continue it "
+            f"with --resume auto (checkpoint.resume=auto), start over with --overwrite (deletes "
+            f"them), or choose another run_dir")
+
+    def _remove_earlier_run(self) -> None:
+        """``--overwrite``: delete what an earlier run left in the run folder (rank 0)."""
+        removed = []
+        for name in RUN_OUTPUTS:
+            path = self.run_dir / name
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            elif path.exists() or path.is_symlink():
+                path.unlink()
+            else:
+                continue
+            removed.append(name)
+        if removed:
+            print(f"--overwrite: removed {', '.join(removed)} of the earlier run in "
+                  f"{self.run_dir}", flush=True)
+
     # -- state ------------------------------------------------------------------------
 
     def _read_resume(self) -> dict[str, Any] | None:
-        """This rank's part of ``checkpoint.resume`` (validated, checked against the config);
-        refuses a fresh run over earlier checkpoints."""
+        """This rank's part of ``checkpoint.resume`` (validated, checked against the config
+        and the data's content)."""
         resume = self.cfg.checkpoint.resume
         folder = resolve_resume(resume, self.ckpt_dir)
         if folder is None:
-            if resume is None and (self.ckpt_dir / LATEST).is_file():
-                raise ResumeError(
-                    f"{self.ckpt_dir} holds checkpoints of an earlier run; continue it with "
-                    f"--resume auto (checkpoint.resume=auto) or choose a new run_dir")
-            return None  # resume=auto and nothing saved yet: a fresh start
+            return None  # a fresh start (see _check_run_folder), or resume=auto with nothing saved
         state = load_state(folder, rank=self.dist.rank)
         check_resume_compatible(state["config"], config_to_dict(self.cfg),
                                 saved_world=state["world_size"], world=self.dist.world_size)
+        check_fits_target(read_drafter_config(folder / "drafter"), self.target.config, self.tokenizer,
+                          drafter=f"checkpoint.resume={folder}", target=self.cfg.model.target,
+                          fix="resume with the target it was trained on", error=ResumeError)
+        check_same_data(state.get("data"), self.data_identity, folder=folder)
         own = state.pop("rank", None)
         if own is not None:  # rank > 0: its own RNG streams and data position
             state.update(rng=own["rng"], prefetch=own["prefetch"])
@@ -278,6 +403,7 @@ class Trainer:
             "best": self._best.best,
             "config": config_to_dict(self.cfg),
             "world_size": self.dist.world_size,
+            "data": self.data_identity,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -491,9 +617,10 @@ class Trainer:
         print(f"training {stopped_by} after {self.loop.optimizer_step} steps in {seconds:.0f} s; "
               f"drafter exported to {out}; checkpoints in {self.ckpt_dir}{best}", flush=True)
 
-    def close(self) -> None:
-        """Stop the pipeline, finish pending checkpoint writes, close trackers and hooks;
-        idempotent.
+    def close(self, *, keep_run_lock: bool = False) -> None:
+        """Stop the pipeline, finish pending checkpoint writes, close trackers and hooks, then
+        release the run folder's lock (unless ``keep_run_lock``: the caller still writes there
+        and calls :meth:`release_run_lock`); idempotent.
 
         Safe after a failure and on a partly built trainer. Every part is closed; the first
         error is re-raised afterwards.
@@ -507,6 +634,8 @@ class Trainer:
                 part.close()
             except BaseException as exc:  # the others must still be closed
                 first_error = first_error or exc
+        if not keep_run_lock:
+            self.release_run_lock()
         if first_error is not None:
             raise first_error
 
@@ -521,7 +650,7 @@ def close_after_failure(trainer: Trainer) -> None:
     try:
         trainer.close()
     except BaseException as exc:
-        user = exc if isinstance(exc, UserError) else disk_error(exc)
+        user = exc if isinstance(exc, UserError) else disk_error(exc, folder=trainer.run_dir)
         if user is None:
             log.exception("error while closing after a failure")
         else:
@@ -532,13 +661,15 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     """``dflash-trainer train``: exit 0 on completion or on a graceful SIGTERM/SIGINT stop.
 
     A stop requested by a signal exits 0 (schedulers send SIGTERM to ask for exactly that)
-    after the final checkpoint, without the final eval and report. User errors (a refused
-    resume among them) propagate to ``cli.main``, which prints them as one line with their
-    exit code; any other failure propagates with its traceback.
+    after the final checkpoint, without the final eval and report. ``--overwrite`` starts over
+    in a folder that holds an earlier run. The run folder's lock is held until the report is
+    written. User errors (a refused resume, a locked run folder among them) propagate to
+    ``cli.main``, which prints them as one line with their exit code; any other failure
+    propagates with its traceback.
     """
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, overwrite=bool(getattr(args, "overwrite", False)))
     except UserError:
         close_distributed()  # every rank refuses the same config; a bug keeps the group for its traceback
         raise
@@ -547,16 +678,25 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     except BaseException:
         close_after_failure(trainer)
         raise
-    trainer.close()
+    run_lock = trainer.run_lock
+    try:
+        trainer.close(keep_run_lock=True)  # the report below still writes into the run folder
+    except BaseException:
+        trainer.release_run_lock()
+        raise
     is_main, run_dir, stopped_by = trainer.dist.is_main, trainer.run_dir, trainer.stopped_by
     del trainer  # the process groups are joined once nothing holds the wrapped models
-    close_distributed()
-    stopped_by_signal = (stopped_by or "").startswith("signal")
-    if is_main and not stopped_by_signal:
-        from dflash_trainer.report import write_report
+    try:
+        close_distributed()
+        stopped_by_signal = (stopped_by or "").startswith("signal")
+        if is_main and not stopped_by_signal:
+            from dflash_trainer.report import write_report
 
-        print(f"report: {write_report(run_dir)}", flush=True)
-    elif is_main:
-        print(f"stopped by {stopped_by}: resume with --resume auto; write the report "
-              f"with `dflash-trainer report {run_dir}`", flush=True)
+            print(f"report: {write_report(run_dir)}", flush=True)
+        elif is_main:
+            print(f"stopped by {stopped_by}: resume with --resume auto; write the report "
+                  f"with `dflash-trainer report {run_dir}`", flush=True)
+    finally:
+        if run_lock is not None:
+            run_lock.release()
     return 0

@@ -6,12 +6,19 @@ A store is a folder::
     loss_mask.bin   uint8, the matching loss mask (1 = supervised)
     offsets.npy     int64, sample i is [offsets[i], offsets[i+1])
     supervised.npy  int64, supervised tokens per sample
-    meta.json       format version, counts, the cache key and the preparation statistics
+    meta.json       format version, counts, the content hash, the cache key and the
+                    preparation statistics
 
 Stores live under a cache folder, named by a fingerprint of everything that decides their
 content (data files, tokenizer, chat template, options), and are written under a temporary name
 and renamed into place, so a reader never sees a half-written store and an unchanged input finds
-its store again.
+its store again. One process builds a store at a time: the builder holds ``.KEY.lock`` in the
+cache folder, and a second process that wants the same store waits for it (at most
+:data:`BUILD_WAIT_S`) and then reads the finished store.
+
+The content hash (:attr:`TokenStore.content_hash`) is a sha256 over the token ids, the loss
+mask and the sample boundaries: what training reads, whatever the path of the data file. A
+checkpoint records it, and a resume over different content is refused.
 """
 
 from __future__ import annotations
@@ -24,10 +31,29 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from dflash_trainer.fsutil import write_dir_atomically
+from dflash_trainer.fsutil import DISK_FIX, sha256_file, write_dir_atomically
+from dflash_trainer.locks import FolderLock
 
 FORMAT_VERSION = 1
 _FILES = ("tokens.bin", "loss_mask.bin", "offsets.npy", "supervised.npy", "meta.json")
+BUILD_WAIT_S = 3600.0
+"""How long a process waits for another one that builds the same store before giving up."""
+
+
+def content_hash(tokens_sha256: str, mask_sha256: str, offsets: np.ndarray) -> str:
+    """sha256 (hex) of a store's content from the hashes of its token and mask files and its
+    sample offsets."""
+    digest = hashlib.sha256(b"dflash token store content v1\n")
+    digest.update(f"{tokens_sha256}\n{mask_sha256}\n".encode())
+    digest.update(np.ascontiguousarray(offsets, dtype=np.int64).tobytes())
+    return digest.hexdigest()
+
+
+def build_lock(path: Path) -> FolderLock:
+    """The lock of the store at ``path`` while it is built: ``.KEY.lock`` beside it."""
+    path = Path(path)
+    return FolderLock(path.parent / f".{path.name}.lock", what=f"token store {path}",
+                      setting="data.cache_dir")
 
 
 def fingerprint(parts: Any) -> str:
@@ -63,14 +89,19 @@ class TokenStoreWriter:
         self._mask: BinaryIO = open(folder / "loss_mask.bin", "wb")
         self._offsets = [0]
         self._supervised: list[int] = []
+        self._tokens_sha = hashlib.sha256()
+        self._mask_sha = hashlib.sha256()
 
     def add(self, input_ids: np.ndarray, loss_mask: np.ndarray) -> None:
         """Append one sample."""
         ids = np.ascontiguousarray(input_ids, dtype=np.int32)
         mask = np.ascontiguousarray(loss_mask, dtype=np.uint8)
         assert ids.ndim == 1 and ids.shape == mask.shape, (ids.shape, mask.shape)
-        self._tokens.write(ids.tobytes())
-        self._mask.write(mask.tobytes())
+        ids_bytes, mask_bytes = ids.tobytes(), mask.tobytes()
+        self._tokens.write(ids_bytes)
+        self._mask.write(mask_bytes)
+        self._tokens_sha.update(ids_bytes)
+        self._mask_sha.update(mask_bytes)
         self._offsets.append(self._offsets[-1] + len(ids))
         self._supervised.append(int(mask.sum()))
 
@@ -81,10 +112,13 @@ class TokenStoreWriter:
         """Flush the arrays and write ``meta.json`` (counts are added to ``meta``)."""
         self._tokens.close()
         self._mask.close()
-        np.save(self.folder / "offsets.npy", np.asarray(self._offsets, dtype=np.int64))
+        offsets = np.asarray(self._offsets, dtype=np.int64)
+        np.save(self.folder / "offsets.npy", offsets)
         np.save(self.folder / "supervised.npy", np.asarray(self._supervised, dtype=np.int64))
         meta = {"format_version": FORMAT_VERSION, "num_samples": len(self),
-                "num_tokens": self._offsets[-1], **meta}
+                "num_tokens": self._offsets[-1],
+                "content_sha256": content_hash(self._tokens_sha.hexdigest(),
+                                               self._mask_sha.hexdigest(), offsets), **meta}
         (self.folder / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
@@ -108,6 +142,8 @@ class TokenStore:
         total = int(self.offsets[-1])
         self._tokens = self._map("tokens.bin", np.int32, total)
         self._mask = self._map("loss_mask.bin", np.uint8, total)
+        self.built_here = False
+        """Whether :meth:`build` wrote this store in this call (not found finished)."""
 
     def _map(self, name: str, dtype: type, size: int) -> np.ndarray:
         # np.memmap refuses empty files; an empty store has nothing to map.
@@ -119,6 +155,16 @@ class TokenStore:
     def stats(self) -> dict[str, Any]:
         """The preparation statistics stored with the data."""
         return self.meta.get("stats", {})
+
+    @property
+    def content_hash(self) -> str:
+        """sha256 (hex) of the token ids, loss mask and sample boundaries (see
+        :func:`content_hash`); computed once from the files for a store older than the hash."""
+        if "content_sha256" not in self.meta:
+            self.meta["content_sha256"] = content_hash(
+                sha256_file(self.path / "tokens.bin"), sha256_file(self.path / "loss_mask.bin"),
+                np.asarray(self.offsets))
+        return self.meta["content_sha256"]
 
     @property
     def num_tokens(self) -> int:
@@ -141,9 +187,16 @@ class TokenStore:
         return np.array(self._tokens[start:stop]), np.array(self._mask[start:stop])
 
     @classmethod
-    def build(cls, path: Path, fill: Callable[[TokenStoreWriter], dict[str, Any]]) -> TokenStore:
+    def build(cls, path: Path, fill: Callable[[TokenStoreWriter], dict[str, Any]], *,
+              on_wait: Callable[[str], None] | None = None) -> TokenStore:
         """Create the store at ``path`` atomically: ``fill`` adds the samples and returns the
-        extra meta data; a crash inside ``fill`` leaves no store behind."""
+        extra meta data; a crash inside ``fill`` leaves no store behind.
+
+        Holds :func:`build_lock` meanwhile. When another process is building the same store,
+        waits for it (``on_wait`` gets one line) and returns its store without calling ``fill``
+        (:attr:`built_here` tells which). A full or read-only disk raises
+        :class:`~dflash_trainer.errors.DiskError` naming the store's folder.
+        """
         def write(folder: Path) -> None:
             writer = TokenStoreWriter(folder)
             try:
@@ -154,8 +207,14 @@ class TokenStore:
                 raise
             writer.close(meta)
 
-        write_dir_atomically(Path(path), write)
-        return cls(path)
+        with build_lock(path).acquire(timeout_s=BUILD_WAIT_S, on_wait=on_wait):
+            existing = find_store(path)
+            if existing is not None:
+                return existing
+            write_dir_atomically(Path(path), write, fix=f"{DISK_FIX} (data.cache_dir)")
+        store = cls(path)
+        store.built_here = True
+        return store
 
 
 def find_store(path: Path) -> TokenStore | None:

@@ -4,7 +4,9 @@ Accepted inputs (``data.paths``): JSON files holding an array of records (read e
 element, so a file truncated at the end still yields every complete record), JSON Lines files,
 Parquet files, Arrow files, Hugging Face ``datasets`` folders written by ``save_to_disk`` (read
 with pyarrow directly) and plain folders of any of these. ``sharegpt`` names the embedded
-ShareGPT set.
+ShareGPT set. A ``.json`` file holding one pretty-printed object is refused with the layouts
+that are accepted (:data:`LAYOUT_HINT`); a folder whose ``datasets`` metadata or Arrow/Parquet
+files do not read is refused with one :class:`DataError` line naming the file.
 
 Accepted records: OpenAI ``{"messages": [{"role", "content"}]}``, ShareGPT
 ``{"conversations": [{"from", "value"}]}`` and pre-tokenized ``{"input_ids", "loss_mask"}``.
@@ -45,6 +47,9 @@ TOOL_ROLES = ("tool", "function", "ipython")
 TOOL_USE_MESSAGE = ("tool-use messages are not supported (role 'tool'/'function', 'tool_calls' or "
                     "'function_call'): the default target's chat template has no tool rendering; "
                     "drop these conversations or use data.on_error=skip (see docs/data.md)")
+LAYOUT_HINT = ("accepted layouts: JSON Lines (one JSON object per line), a JSON array of objects "
+               "([{...}, {...}]), Parquet/Arrow files or a Hugging Face datasets folder (save_to_disk); "
+               "a single pretty-printed object is neither: put it inside [ ] or write one object per line")
 CONTENT_PART_SEPARATOR = "\n"
 """Joins the text parts of one OpenAI ``content`` list (as vLLM and SGLang do)."""
 TRUNCATED = "truncated"
@@ -172,10 +177,26 @@ def _file_source(path: Path, origin: str) -> Source:
     return Source(path=path, kind=suffix[1:], origin=origin)  # type: ignore[arg-type]
 
 
+def _metadata(path: Path) -> dict[str, Any]:
+    """A ``datasets`` metadata file (``dataset_dict.json``, ``state.json``) as a dict, or DataError."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise DataError(f"{path}: not readable JSON ({exc}); the datasets folder is damaged: save it "
+                        "again with save_to_disk, or remove the file if the folder is a plain one") from exc
+    if not isinstance(value, dict):
+        raise DataError(f"{path}: expected a JSON object, got {type(value).__name__}; the datasets folder "
+                        "is damaged: save it again with save_to_disk")
+    return value
+
+
 def _expand_folder(folder: Path, origin: str) -> list[Source]:
     if (folder / "dataset_dict.json").is_file():
         # A DatasetDict: train on its train split only, never silently on test/validation.
-        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+        splits = _metadata(folder / "dataset_dict.json").get("splits", [])
+        if not isinstance(splits, list):
+            raise DataError(f"{folder / 'dataset_dict.json'}: 'splits' is not a list; the datasets "
+                            "folder is damaged: save it again with save_to_disk")
         if "train" not in splits:
             raise DataError(f"data folder {str(folder)!r} is a datasets DatasetDict without a "
                             f"'train' split (splits: {splits}); point data.paths at a split folder")
@@ -183,8 +204,16 @@ def _expand_folder(folder: Path, origin: str) -> list[Source]:
     if (folder / "state.json").is_file() or (folder / "dataset_info.json").is_file():
         names: list[str] = []
         if (folder / "state.json").is_file():
-            state = json.loads((folder / "state.json").read_text())
-            names = [f["filename"] for f in state.get("_data_files", [])]
+            files = _metadata(folder / "state.json").get("_data_files", [])
+            names = [f.get("filename") for f in files if isinstance(f, dict)] if isinstance(files, list) else []
+            if not isinstance(files, list) or len(names) != len(files) or not all(isinstance(n, str) for n in names):
+                raise DataError(f"{folder / 'state.json'}: '_data_files' is not a list of "
+                                "{\"filename\": ...} entries; the datasets folder is damaged: save it "
+                                "again with save_to_disk")
+            missing = [n for n in names if not (folder / n).is_file()]
+            if missing:
+                raise DataError(f"data folder {str(folder)!r}: state.json names {', '.join(missing)}, "
+                                "which is missing; the datasets folder is incomplete: copy or save it again")
         if not names:
             names = sorted(p.name for p in folder.glob("data-*.arrow"))
         if not names:
@@ -369,8 +398,10 @@ def _jsonl_records(path: Path, stats: SourceStats) -> Iterator[RawItem]:
             try:
                 yield location, json.loads(line)
             except json.JSONDecodeError as exc:
+                pretty = ("; the file looks pretty-printed, but JSON Lines needs one whole object per "
+                          "line" if line.strip() in ("{", "[") else "")
                 yield location, Rejected("malformed", f"invalid JSON: {exc.msg} "
-                                         f"(column {exc.colno})", location)
+                                         f"(column {exc.colno}){pretty}", location)
 
 
 def _json_records(path: Path, stats: SourceStats) -> Iterator[RawItem]:
@@ -397,6 +428,7 @@ def _json_records(path: Path, stats: SourceStats) -> Iterator[RawItem]:
 
         pos = _WHITESPACE.match(buf).end()
         if pos < len(buf) and buf[pos] != "[":
+            _refuse_pretty_printed(path, buf, pos)
             yield from _jsonl_records(path, stats)
             return
         pos += 1
@@ -464,6 +496,23 @@ def _json_records(path: Path, stats: SourceStats) -> Iterator[RawItem]:
             expect_element = False
 
 
+def _refuse_pretty_printed(path: Path, buf: str, pos: int) -> None:
+    """DataError with :data:`LAYOUT_HINT` when a ``.json`` file that is not an array is not JSON
+    Lines either: its first line neither parses alone nor ends like a record (``}``), as the
+    first line of a pretty-printed object (``{`` or ``{"messages": [``). A first line that ends
+    with ``}`` but does not parse is left to the JSON Lines reader: one malformed record."""
+    end = buf.find("\n", pos)
+    first_line = buf[pos:end if end >= 0 else len(buf)].rstrip()
+    if first_line.endswith("}"):
+        return
+    try:
+        json.loads(first_line)
+    except json.JSONDecodeError as exc:
+        line = 1 + buf.count("\n", 0, pos)
+        raise DataError(f"{path}:{line}: not a JSON array, and its first line is not a complete JSON "
+                        f"object ({exc.msg}); {LAYOUT_HINT}") from exc
+
+
 def _only_whitespace_after(buf: str, pos: int) -> bool:
     return _WHITESPACE.match(buf, pos).end() >= len(buf)
 
@@ -476,11 +525,13 @@ def _arrow_records(path: Path, stats: SourceStats) -> Iterator[RawItem]:
     except pa.ArrowInvalid:
         try:
             reader = pa.ipc.open_file(path)
-        except pa.ArrowInvalid as exc:
+        except (pa.ArrowInvalid, OSError) as exc:
             raise DataError(f"{path}: not an Arrow IPC stream or file ({exc})") from exc
+    except OSError as exc:
+        raise DataError(f"{path}: not readable as Arrow ({exc})") from exc
     batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) \
         if isinstance(reader, pa.ipc.RecordBatchFileReader) else reader
-    yield from _rows(path, batches)
+    yield from _rows(path, batches, "Arrow")
 
 
 def _parquet_records(path: Path, stats: SourceStats) -> Iterator[RawItem]:
@@ -491,13 +542,26 @@ def _parquet_records(path: Path, stats: SourceStats) -> Iterator[RawItem]:
         batches = pq.ParquetFile(path).iter_batches(batch_size=1024)
     except (pa.ArrowInvalid, OSError) as exc:
         raise DataError(f"{path}: not a readable Parquet file ({exc})") from exc
-    yield from _rows(path, batches)
+    yield from _rows(path, batches, "Parquet")
 
 
-def _rows(path: Path, batches: Any) -> Iterator[RawItem]:
+def _rows(path: Path, batches: Any, kind: str) -> Iterator[RawItem]:
+    """Rows of record batches; a batch that does not decode (a file cut off or damaged after
+    its header) is a DataError naming the file and the rows read before it."""
+    import pyarrow as pa
+
     index = 0
-    for batch in batches:
-        for row in batch.to_pylist():
+    iterator = iter(batches)
+    while True:
+        try:
+            batch = next(iterator, None)
+            rows = batch.to_pylist() if batch is not None else None
+        except (pa.ArrowException, OSError) as exc:
+            raise DataError(f"{path}: the {kind} data is damaged or truncated after record {index} ({exc}); "
+                            "write the file again") from exc
+        if rows is None:
+            return
+        for row in rows:
             yield Location(str(path), index), row
             index += 1
 

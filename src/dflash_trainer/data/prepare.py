@@ -54,18 +54,19 @@ from dflash_trainer.data.formats import (
     read_source,
 )
 from dflash_trainer.data.tokenize import (
+    RULES_VERSION,
     ChatTokenizer,
     Dropped,
     Encoded,
     TokenizeOptions,
 )
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.fsutil import atomic_write_text
+from dflash_trainer.fsutil import atomic_write_text, remove_stale_temp_dirs
 
-DROP_REASONS = ("malformed", "empty", "no_assistant", "too_short", "too_long")
+DROP_REASONS = ("malformed", "empty", "no_assistant", "empty_answer", "too_short", "too_long")
 _DROP_LABELS = {"malformed": "malformed", "empty": "empty conversation",
-                "no_assistant": "no assistant turn", "too_short": "too short (supervised)",
-                "too_long": "too long"}
+                "no_assistant": "no assistant turn", "empty_answer": "empty answers",
+                "too_short": "too short (supervised)", "too_long": "too long"}
 _BATCH = 256
 _EXAMPLES_PER_REASON = 3
 _PROGRESS_EVERY_S = 5.0
@@ -94,6 +95,9 @@ class PrepareStats:
     """Conversations whose assistant messages before the first user message were removed."""
     cut_answers: int = 0
     """Kept answers marked ``truncated`` (cut before the model ended its turn)."""
+    empty_answers: int = 0
+    """Empty or whitespace-only answers of kept conversations, left unsupervised (a conversation
+    whose every answer is empty is dropped as ``empty_answer`` instead)."""
     total_tokens: int = 0
     supervised_tokens: int = 0
     max_samples_reached: bool = False
@@ -125,7 +129,8 @@ class PrepareStats:
         dropped = sum(self.dropped.values())
         return (f"{self.records_read:,} records read (+{self.heldout:,} held out), "
                 f"{self.kept:,} kept, {dropped:,} dropped" + (f" ({reasons})" if reasons else "")
-                + f", {self.truncated:,} truncated to data.max_length")
+                + f", {self.truncated:,} truncated to data.max_length"
+                + (f", {self.empty_answers:,} empty answers unsupervised" if self.empty_answers else ""))
 
 
 def cache_dir(cfg: Config) -> Path:
@@ -155,6 +160,7 @@ def build_dataset(cfg: Config, *, tokenizer: Any = None,
     options = TokenizeOptions.from_config(cfg)
     key_parts = {
         "format_version": FORMAT_VERSION,
+        "tokenize_rules": RULES_VERSION,
         "files": [file_fingerprint(s.path) for s in sources],
         "origins": [s.origin for s in sources],
         "tokenizer": tokenizer_fingerprint(tokenizer),
@@ -165,6 +171,7 @@ def build_dataset(cfg: Config, *, tokenizer: Any = None,
         "max_samples": cfg.data.max_samples,
     }
     path = cache_dir(cfg) / fingerprint(key_parts)
+    remove_stale_temp_dirs(path.parent)  # stores whose build was killed
     store = find_store(path)
     if store is not None:
         stats = PrepareStats.from_dict(store.stats)
@@ -191,7 +198,10 @@ def build_dataset(cfg: Config, *, tokenizer: Any = None,
         return {"key": key_parts, "stats": stats.to_dict(), "config": config_to_dict(cfg)}
 
     log(f"prepare: tokenizing {', '.join(cfg.data.paths)} into {path}")
-    store = TokenStore.build(path, fill)
+    store = TokenStore.build(path, fill, on_wait=log)
+    if not store.built_here:  # another process built it while this one waited
+        stats = PrepareStats.from_dict(store.stats)
+        stats.reused, stats.cache_path = True, str(path)
     log(f"data: {stats.summary()}; dropped records listed in {path / DROPPED_FILE}")
     return store, stats
 
@@ -264,6 +274,7 @@ def _tokenize_into(writer: TokenStoreWriter, cfg: Config, sources: list[Source],
             stats.truncated += int(result.truncated)
             stats.trimmed_leading += int(result.trimmed_leading > 0)
             stats.cut_answers += result.cut_answers
+            stats.empty_answers += result.empty_answers
         batch.clear()
 
     limit = cfg.data.max_samples
@@ -385,6 +396,8 @@ def format_report(stats: PrepareStats, store: TokenStore, max_length: int) -> st
         f"leading assistant turns removed in {stats.trimmed_leading:,} conversations",
         *([f"answers marked truncated  {stats.cut_answers:>6,}   (their end of turn is not supervised)"]
           if stats.cut_answers else []),
+        *([f"empty answers unsupervised {stats.empty_answers:>5,}   (in kept conversations with other answers)"]
+          if stats.empty_answers else []),
         f"tokens               {stats.total_tokens:>10,}",
         f"supervised tokens    {stats.supervised_tokens:>10,}"
         + (f"   ({100 * stats.supervised_tokens / stats.total_tokens:.1f}%)"

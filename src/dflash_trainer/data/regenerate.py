@@ -645,29 +645,12 @@ def _warn_if_no_thinking(tokenizer: Any, thinking: bool) -> None:
               "template has no enable_thinking switch", file=sys.stderr)
 
 
-def _check_args(args: argparse.Namespace) -> str | None:
-    checks = [
-        (args.backend != "openai" or bool(args.server_url),
-         "--backend openai needs --server-url (e.g. http://127.0.0.1:8000)"),
-        (args.concurrency >= 1, "--concurrency must be >= 1"),
-        (args.batch_size >= 1, "--batch-size must be >= 1"),
-        (args.max_new_tokens >= 1, "--max-new-tokens must be >= 1"),
-        (args.temperature is None or args.temperature >= 0, "--temperature must be >= 0"),
-        (args.top_p is None or 0 < args.top_p <= 1, "--top-p must be in (0, 1]"),
-        (args.top_k is None or args.top_k >= 0, "--top-k must be >= 0 (0 disables it)"),
-        (args.limit is None or args.limit >= 1, "--limit must be >= 1"),
-        (args.max_turns is None or args.max_turns >= 1, "--max-turns must be >= 1"),
-        (args.request_timeout > 0, "--request-timeout must be > 0 (seconds)"),
-    ]
-    return next((message for ok, message in checks if not ok), None)
-
-
 def main(cfg: Any, args: argparse.Namespace) -> int:
     """CLI handler: 0 when every conversation was written, 1 when some failed, 130 when
-    interrupted; usage (2) and data/server (1) errors are raised as user errors."""
-    problem = _check_args(args)
-    if problem:
-        raise ConfigError(problem)
+    interrupted; usage (2) and data/server (1) errors are raised as user errors. ``cli.main``
+    has checked each flag against its declared range (``cli.COMMANDS``)."""
+    if args.backend == "openai" and not args.server_url:
+        raise ConfigError("--backend openai needs --server-url (e.g. http://127.0.0.1:8000)")
     flags = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     backend: TransformersBackend | OpenAIBackend | None = None
     try:

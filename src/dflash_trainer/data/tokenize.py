@@ -26,6 +26,11 @@ of its content: the end-of-turn token the template appends would be a false labe
 Before rendering, assistant messages before the first user message are removed (there is no
 prompt they answer; counted as ``trimmed_leading``) and messages after the last assistant turn
 are dropped (they carry no supervision).
+
+An empty or whitespace-only assistant answer would teach the drafter to end the turn at once
+(``regenerate`` fails such answers too). A conversation whose every supervised answer is empty
+is dropped (``empty_answer``); one where only some are empty keeps them as context but leaves
+them unsupervised, end-of-turn tokens included (counted as ``empty_answers``).
 """
 
 from __future__ import annotations
@@ -50,7 +55,10 @@ _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _CHARS_PER_TOKEN = 6
 """Character budget per token when rendering long conversations (English averages ~4)."""
 
-DropReason = Literal["malformed", "no_assistant", "too_short", "too_long"]
+DropReason = Literal["malformed", "no_assistant", "empty_answer", "too_short", "too_long"]
+RULES_VERSION = 2
+"""Changes when the same conversation, tokenizer and options give other samples (2: empty
+answers dropped or unsupervised); part of the token store's key, so older stores are rebuilt."""
 
 
 class TemplateError(DataError):
@@ -86,6 +94,8 @@ class Encoded:
     """Assistant messages removed before the first user message."""
     cut_answers: int = 0
     """Assistant messages marked ``truncated`` (their end of turn is not supervised)."""
+    empty_answers: int = 0
+    """Empty or whitespace-only assistant answers left unsupervised."""
 
 
 @dataclass(frozen=True)
@@ -173,6 +183,7 @@ class ChatTokenizer:
         if self.mode == "generation":
             text, spans = self._render(messages, generation_prompt=False, with_spans=True)
             spans = self._clip_cut_answers(messages, text, spans, where)
+            spans = self._drop_empty_answers(messages, spans, where)
             if self.options.last_turn_only:
                 head, _ = self._render(messages[:last], generation_prompt=True)
                 if not text.startswith(head):
@@ -197,11 +208,13 @@ class ChatTokenizer:
                     "the full chat (it renders history differently from a new turn, e.g. by "
                     "dropping earlier <think> blocks), so the assistant mask cannot be verified. "
                     "Set data.last_turn_only=true, or use a template with {% generation %} markers")
+            end = len(turn)
+            if is_empty_answer(messages[k]):
+                continue
             stop = len(turn)
             if messages[k].get(TRUNCATED):
                 stop = _content_stop(messages[k], k, text, len(head), stop, where)
             spans.append((len(head), min(stop, cut)))
-            end = len(turn)
         return text[:cut], [(a, b) for a, b in spans if a < b], cut < len(text)
 
     def _clip_cut_answers(self, messages: list[dict[str, Any]], text: str,
@@ -218,6 +231,18 @@ class ChatTokenizer:
                 "assistant turns, so the turns marked truncated cannot be found; remove the marks")
         return [(a, _content_stop(messages[k], k, text, a, b, where) if messages[k].get(TRUNCATED) else b)
                 for k, (a, b) in zip(assistant, spans)]
+
+    def _drop_empty_answers(self, messages: list[dict[str, Any]], spans: list[tuple[int, int]],
+                            where: str) -> list[tuple[int, int]]:
+        """``spans`` without those of empty answers (one span per assistant message, in order)."""
+        assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+        if not any(is_empty_answer(messages[k]) for k in assistant):
+            return spans
+        if len(spans) != len(assistant):
+            raise TemplateError(
+                f"{where}the chat template marks {len(spans)} assistant spans for {len(assistant)} "
+                "assistant turns, so the empty answers cannot be left unsupervised; remove them")
+        return [span for k, span in zip(assistant, spans) if not is_empty_answer(messages[k])]
 
     def _cut_point(self, text: str, max_chars: int | None) -> int:
         if max_chars is None or len(text) <= max_chars:
@@ -243,6 +268,12 @@ class ChatTokenizer:
                 results[i] = Dropped("no_assistant", f"{record.location}: no assistant turn "
                                      "after a user turn")
                 continue
+            if all(is_empty_answer(m) for m in self._supervised_answers(messages)):
+                which = "the last assistant answer (data.last_turn_only)" if self.options.last_turn_only \
+                    else "every assistant answer"
+                results[i] = Dropped("empty_answer", f"{record.location}: {which} is empty or whitespace "
+                                     "(it would teach the drafter to end the turn at once)")
+                continue
             todo.append((i, messages, trimmed))
         budget = _CHARS_PER_TOKEN * self.options.max_length
         again = []
@@ -257,6 +288,11 @@ class ChatTokenizer:
             results[i] = self._finish(ids, mask, trimmed, records[i].location, False, messages)
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
+
+    def _supervised_answers(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The assistant messages whose turns are supervised (the last only with last_turn_only)."""
+        answers = [m for m in messages if m["role"] == "assistant"]
+        return answers[-1:] if self.options.last_turn_only else answers
 
     def _tokenize(self, items: list[tuple[list[dict[str, Any]], Location]], max_chars: int | None
                   ) -> list[tuple[np.ndarray, np.ndarray, bool]]:
@@ -307,8 +343,10 @@ class ChatTokenizer:
             after = f" after truncation to {opts.max_length} tokens" if truncated else ""
             return Dropped("too_short", f"{location}: {supervised} supervised tokens{after} < "
                            f"data.min_supervised_tokens {opts.min_supervised_tokens}")
+        answers = self._supervised_answers(list(messages)) if messages else []
         return Encoded(np.ascontiguousarray(ids), np.ascontiguousarray(mask), truncated, trimmed,
-                       sum(bool(m.get(TRUNCATED)) for m in messages))
+                       sum(bool(m.get(TRUNCATED)) for m in messages),
+                       sum(is_empty_answer(m) for m in answers))
 
 
 def _content_stop(message: dict[str, Any], k: int, text: str, start: int, stop: int,
@@ -324,6 +362,11 @@ def _content_stop(message: dict[str, Any], k: int, text: str, start: int, stop: 
             f"{where}assistant turn {k} is marked truncated, but the chat template does not render "
             "its content verbatim, so where the answer stops cannot be found; remove the mark")
     return found[0]
+
+
+def is_empty_answer(message: dict[str, Any]) -> bool:
+    """Whether an assistant message's content is empty or whitespace only."""
+    return message["role"] == "assistant" and not message["content"].strip()
 
 
 def reads_enable_thinking(template: str | dict[str, str] | None) -> bool:

@@ -1,11 +1,21 @@
-"""Build a DFlash drafter for a target model from the run config.
+"""Build a DFlash drafter for a target model from the run config, and check that a drafter
+fits a target.
 
 The module itself lives in :mod:`dflash_trainer.model.modeling.dflash` (the file exported next
 to the weights); this module only derives its config from the target's.
+
+A drafter has no embedding and no LM head of its own: it runs on its target's, so it only works
+with the target it was trained for. Its config records that target under
+:data:`SIGNATURE_KEY` (vocabulary size, hidden size and a fingerprint of the tokenizer's chat
+template and special ids, see :func:`target_signature`), and :func:`check_compatible` refuses a
+target that differs in any of them. Drafters exported before the record existed are checked
+on their shapes only.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from typing import Any
 
@@ -21,11 +31,18 @@ from dflash_trainer.model.modeling.dflash import (
 )
 from dflash_trainer.model.target import check_target_layer_ids, decoder_layers
 
-__all__ = ["FINAL_NORM_SCALE", "DFlashDraftModel", "build_drafter", "build_drafter_config",
+__all__ = ["FINAL_NORM_SCALE", "SIGNATURE_KEY", "DFlashDraftModel", "build_drafter", "build_drafter_config",
            "check_compatible", "default_target_layer_ids", "init_drafter_from_target",
-           "init_from_target", "initialise_drafter", "text_config"]
+           "init_from_target", "initialise_drafter", "target_signature", "text_config",
+           "tokenizer_signature"]
 
 log = logging.getLogger(__name__)
+
+SIGNATURE_KEY = "dflash_trainer"
+"""Top-level ``config.json`` key (a drafter config attribute) holding :func:`target_signature`
+of the target the drafter was built for. Outside ``dflash_config``, which z-lab, SGLang and
+vLLM read; transformers keeps unknown top-level keys as config attributes."""
+_SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "mask_token_id")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -45,6 +62,32 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
     return get(decoder=True) if get is not None else config
 
 
+def tokenizer_signature(tokenizer: Any) -> dict[str, Any]:
+    """What a drafter depends on in its target's tokenizer: the chat template (its sha256: the
+    prompts it was trained on were rendered with it) and the special ids (bos/eos/pad end or
+    fill generations; the mask token may be the drafter's mask id); ``sha256`` covers them all."""
+    template = getattr(tokenizer, "chat_template", None)
+    template_text = template if isinstance(template, str) or template is None else json.dumps(
+        template, sort_keys=True)
+    ids = {}
+    for name in _SPECIAL_IDS:
+        value = getattr(tokenizer, name, None)
+        ids[name] = list(value) if isinstance(value, (list, tuple)) else value
+    template_sha = None if template_text is None else hashlib.sha256(template_text.encode()).hexdigest()
+    whole = json.dumps({"chat_template_sha256": template_sha, **ids}, sort_keys=True)
+    return {"sha256": hashlib.sha256(whole.encode()).hexdigest(), "chat_template_sha256": template_sha, **ids}
+
+
+def target_signature(target_config: PretrainedConfig, tokenizer: Any = None) -> dict[str, Any]:
+    """The target a drafter is built for: ``vocab_size``, ``hidden_size`` and (given the
+    tokenizer) ``tokenizer``: :func:`tokenizer_signature`. Stored under :data:`SIGNATURE_KEY`."""
+    target = text_config(target_config)
+    signature: dict[str, Any] = {"vocab_size": int(target.vocab_size), "hidden_size": int(target.hidden_size)}
+    if tokenizer is not None:
+        signature["tokenizer"] = tokenizer_signature(tokenizer)
+    return signature
+
+
 def _rope_parameters(target: PretrainedConfig) -> dict[str, Any]:
     # transformers 5 keeps rope settings in rope_parameters; 4.x configs have rope_theta/rope_scaling.
     params = getattr(target, "rope_parameters", None)
@@ -57,8 +100,11 @@ def _rope_parameters(target: PretrainedConfig) -> dict[str, Any]:
 
 
 def build_drafter_config(model_cfg: ModelConfig, target_config: PretrainedConfig, *,
-                         mask_token_id: int | None = None) -> Qwen3Config:
-    """Qwen3-style drafter config: per-layer sizes from the target unless ``model.*`` overrides them."""
+                         mask_token_id: int | None = None, tokenizer: Any = None) -> Qwen3Config:
+    """Qwen3-style drafter config: per-layer sizes from the target unless ``model.*`` overrides them.
+
+    The config records :func:`target_signature` of the target (with ``tokenizer``, its
+    fingerprint too), which :func:`check_compatible` compares before the drafter is used."""
     target = text_config(target_config)
     num_target_layers = int(target.num_hidden_layers)
     layer_ids = (list(model_cfg.target_layer_ids) if model_cfg.target_layer_ids is not None
@@ -70,6 +116,14 @@ def build_drafter_config(model_cfg: ModelConfig, target_config: PretrainedConfig
                          "dflash_trainer.model.target.resolve_mask_token_id and pass mask_token_id=")
     heads = model_cfg.num_attention_heads or target.num_attention_heads
     kv_heads = (model_cfg.num_key_value_heads or getattr(target, "num_key_value_heads", None) or heads)
+    if heads % kv_heads:
+        raise ConfigError(
+            f"the drafter's {heads} attention heads (model.num_attention_heads"
+            f"{'' if model_cfg.num_attention_heads else ', from the target'}) are not a multiple of its "
+            f"{kv_heads} key/value heads (model.num_key_value_heads"
+            f"{'' if model_cfg.num_key_value_heads else ', from the target'}): each key/value head serves "
+            "a whole group of query heads; set model.num_attention_heads to a multiple of "
+            "model.num_key_value_heads")
     head_dim = (model_cfg.head_dim or getattr(target, "head_dim", None)
                 or target.hidden_size // target.num_attention_heads)
     rope = _rope_parameters(target)
@@ -100,19 +154,29 @@ def build_drafter_config(model_cfg: ModelConfig, target_config: PretrainedConfig
                        "block_size": model_cfg.block_size},
     )
     config.architectures = ["DFlashDraftModel"]
+    setattr(config, SIGNATURE_KEY, target_signature(target_config, tokenizer))
     check_compatible(config, target_config)
     return config
 
 
-def check_compatible(drafter_config: PretrainedConfig, target_config: PretrainedConfig) -> None:
-    """Raise ValueError if a drafter config cannot run on a target (hidden size, layers, mask id, heads)."""
+def check_compatible(drafter_config: PretrainedConfig, target_config: PretrainedConfig, *,
+                     tokenizer: Any = None) -> None:
+    """Raise :class:`ConfigError` (a ValueError), one line naming every problem, when a drafter
+    config cannot run on a target: hidden size, vocabulary, layer ids, mask id, heads, and (given
+    the target's ``tokenizer`` and a drafter that recorded one) the tokenizer's chat template and
+    special ids. Callers that load a saved drafter say which folder and what to do."""
     target = text_config(target_config)
     section = getattr(drafter_config, "dflash_config", None) or {}
     problems = []
     if drafter_config.hidden_size != target.hidden_size:
-        problems.append(f"drafter hidden_size {drafter_config.hidden_size} != target hidden_size "
-                        f"{target.hidden_size} (DFlash needs equal hidden sizes: the target's embedding "
-                        f"and LM head are used as they are)")
+        problems.append(f"hidden size: drafter {drafter_config.hidden_size}, target {target.hidden_size} "
+                        f"(DFlash needs equal hidden sizes: the target's embedding and LM head are used "
+                        f"as they are)")
+    drafter_vocab = getattr(drafter_config, "vocab_size", None)
+    if drafter_vocab is not None and drafter_vocab != target.vocab_size:
+        problems.append(f"vocabulary: the drafter was trained for {drafter_vocab} tokens, the target has "
+                        f"{target.vocab_size} (vocab_size): its drafts would be scored by another "
+                        "embedding and LM head")
     bad = [i for i in section.get("target_layer_ids", []) if not 0 <= i < target.num_hidden_layers]
     if bad:
         problems.append(f"model.target_layer_ids {bad} out of range for a target with "
@@ -124,17 +188,34 @@ def check_compatible(drafter_config: PretrainedConfig, target_config: Pretrained
     if drafter_config.num_attention_heads % drafter_config.num_key_value_heads:
         problems.append(f"num_attention_heads {drafter_config.num_attention_heads} is not a multiple "
                         f"of num_key_value_heads {drafter_config.num_key_value_heads}")
+    recorded = (getattr(drafter_config, SIGNATURE_KEY, None) or {}).get("tokenizer")
+    if tokenizer is not None and recorded:
+        problems += _tokenizer_differences(recorded, tokenizer_signature(tokenizer))
     if problems:
-        raise ValueError("drafter/target mismatch: " + "; ".join(problems))
+        raise ConfigError("drafter/target mismatch: " + "; ".join(problems))
+
+
+def _tokenizer_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    if recorded.get("sha256") == current["sha256"]:
+        return []
+    differences = []
+    if recorded.get("chat_template_sha256") != current["chat_template_sha256"]:
+        differences.append("the chat template differs (the drafter learned the answers of prompts "
+                           "rendered with another one)")
+    differences += [f"{name} {recorded.get(name)} (drafter's target) vs {current[name]} (this target)"
+                    for name in _SPECIAL_IDS if recorded.get(name) != current[name]]
+    return [f"tokenizer: {', '.join(differences or ['its fingerprint differs'])}"]
 
 
 def build_drafter(model_cfg: ModelConfig, target_config: PretrainedConfig, *,
-                  mask_token_id: int | None = None) -> DFlashDraftModel:
+                  mask_token_id: int | None = None, tokenizer: Any = None) -> DFlashDraftModel:
     """A freshly initialised drafter (fp32, SDPA attention) for ``target_config``.
 
-    ``mask_token_id`` overrides ``model_cfg.mask_token_id``; one of them must be set.
+    ``mask_token_id`` overrides ``model_cfg.mask_token_id``; one of them must be set. With the
+    target's ``tokenizer`` its fingerprint is recorded in the config (and so in every export).
     """
-    config = build_drafter_config(model_cfg, target_config, mask_token_id=mask_token_id)
+    config = build_drafter_config(model_cfg, target_config, mask_token_id=mask_token_id,
+                                  tokenizer=tokenizer)
     config._attn_implementation = "sdpa"
     return DFlashDraftModel(config)
 
@@ -149,8 +230,9 @@ def init_from_target(drafter: DFlashDraftModel, target_model: nn.Module) -> list
     target_layers = decoder_layers(target_model)
     offset = len(target_layers) - len(drafter.layers)
     if offset < 0:
-        raise ValueError(f"model.init_from_target: the drafter has {len(drafter.layers)} layers, "
-                         f"the target only {len(target_layers)}")
+        raise ConfigError(f"model.init_from_target copies the target's last layers, but the drafter has "
+                          f"{len(drafter.layers)} layers (model.num_layers) and the target only "
+                          f"{len(target_layers)}; set model.num_layers <= {len(target_layers)}")
     copied = []
     for i, layer in enumerate(drafter.layers):
         source = dict(target_layers[offset + i].named_parameters())

@@ -6,9 +6,17 @@ level and in ``dflash_config`` so z-lab, SGLang, vLLM and MLX loaders all find t
 standalone ``dflash.py`` modeling file that ``trust_remote_code`` loads. The folder is written
 to a temporary sibling and renamed into place, so a reader never sees a half-written export.
 
+``config.json`` also holds, under ``dflash_trainer``, the signature of the target the drafter
+was trained for (vocabulary and hidden size, a fingerprint of the tokenizer's chat template and
+special ids: :func:`~dflash_trainer.model.drafter.target_signature`); transformers keeps the
+unknown top-level key as a config attribute, and z-lab, SGLang and vLLM ignore it.
+:func:`check_fits_target` compares it with a target before a drafter is used.
+
 ``export`` reads a training checkpoint only after checking every file against its manifest's
 sha256, and loading checks ``config.json`` against the weights' shapes first: a corrupted or
 edited folder is refused with one line naming it (:class:`~dflash_trainer.errors.CheckpointError`).
+``export --out`` writes a new or empty folder; it replaces an earlier export only with
+``--overwrite`` and never a file or a folder holding anything else.
 """
 
 from __future__ import annotations
@@ -25,15 +33,17 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
+from dflash_trainer.assets import first_line
 from dflash_trainer.checkpoint import MANIFEST, validate_checkpoint
 from dflash_trainer.config import Config
-from dflash_trainer.errors import CheckpointError
+from dflash_trainer.errors import CheckpointError, ConfigError
 from dflash_trainer.fsutil import write_dir_atomically
 from dflash_trainer.model import modeling
-from dflash_trainer.model.drafter import check_compatible, text_config
+from dflash_trainer.model.drafter import SIGNATURE_KEY, check_compatible, text_config
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
 
-__all__ = ["export_config", "export_drafter", "load_checkpoint_drafter", "load_drafter", "main"]
+__all__ = ["check_export_destination", "check_fits_target", "export_config", "export_drafter",
+           "load_checkpoint_drafter", "load_drafter", "main"]
 
 MODELING_FILE = Path(modeling.__file__).parent / "dflash.py"
 _WEIGHT_NAMES = ("fc.weight", "hidden_norm.weight", "norm.weight")
@@ -49,6 +59,7 @@ def export_config(model: DFlashDraftModel, *, num_target_layers: int, dtype: tor
     # transformers 4.x reads rope_theta/rope_scaling; 5.x reads rope_parameters: write both.
     scaling = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
     dtype_name = str(dtype).removeprefix("torch.")
+    signature = getattr(c, SIGNATURE_KEY, None)
     return {
         "architectures": ["DFlashDraftModel"],
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
@@ -86,6 +97,7 @@ def export_config(model: DFlashDraftModel, *, num_target_layers: int, dtype: tor
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
         "transformers_version": transformers.__version__,
+        **({SIGNATURE_KEY: signature} if signature else {}),
     }
 
 
@@ -105,7 +117,7 @@ def export_drafter(model: DFlashDraftModel, out_dir: str | Path, *, target_confi
 
     ``target_config`` (checked for compatibility) gives ``num_target_layers``; without it the
     drafter config's own ``num_target_layers`` is used. An existing ``out_dir`` is replaced
-    only if it is empty or a previous drafter export.
+    only if it is empty or a previous drafter export (:class:`ConfigError` otherwise).
     """
     out = Path(out_dir)
     num_target_layers = getattr(model.config, "num_target_layers", None)
@@ -114,8 +126,7 @@ def export_drafter(model: DFlashDraftModel, out_dir: str | Path, *, target_confi
         num_target_layers = text_config(target_config).num_hidden_layers
     if num_target_layers is None:
         raise ValueError("export needs target_config or a drafter config with num_target_layers")
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not _is_export(out))):
-        raise FileExistsError(f"{out} exists and is not a drafter export; choose an empty or new folder")
+    check_export_destination(out, overwrite=True)
     config = export_config(model, num_target_layers=int(num_target_layers), dtype=dtype)
     weights = _draft_weights(model, dtype)
 
@@ -126,6 +137,27 @@ def export_drafter(model: DFlashDraftModel, out_dir: str | Path, *, target_confi
 
     write_dir_atomically(out, write, replace=True)
     return out
+
+
+def check_export_destination(out: Path, *, overwrite: bool, flag: str = "") -> None:
+    """Refuse (:class:`ConfigError`) to export into a file, a folder holding anything but an
+    earlier export, or an earlier export unless ``overwrite``; a new or empty folder is fine.
+    ``flag`` (``"--out "``) prefixes the folder in the message."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"{flag}{out} is an existing file, not a folder; give the path of a new or "
+                          "empty folder for the drafter export")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    if not _is_export(out):
+        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+        raise ConfigError(f"{flag}{out} is a folder that holds other files ({shown}), not a drafter "
+                          "export; choose a new or empty folder (nothing was written)")
+    if not overwrite:
+        raise ConfigError(f"{flag}{out} holds a drafter export already; pass --overwrite to replace it, "
+                          "or choose a new folder")
 
 
 def _is_export(path: Path) -> bool:
@@ -177,12 +209,38 @@ def load_drafter(path: str | Path, *, dtype: torch.dtype = torch.float32) -> DFl
     """Load an exported drafter folder with the in-project class; every weight must be present
     and match ``config.json`` (checked first: :func:`check_drafter_folder`)."""
     check_drafter_folder(path)
-    model, info = DFlashDraftModel.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa",
-                                                   output_loading_info=True)
+    try:
+        model, info = DFlashDraftModel.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa",
+                                                       output_loading_info=True)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: the drafter weights do not load ({first_line(exc)}); the export "
+                              "is damaged: export the checkpoint again") from exc
     problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if problems:
         raise CheckpointError(f"{path}: drafter weights do not match its config.json: {problems}")
     return model
+
+
+def check_fits_target(drafter_config: PretrainedConfig, target_config: PretrainedConfig, tokenizer: Any,
+                      *, drafter: str, target: str, fix: str,
+                      error: type[CheckpointError] = CheckpointError) -> None:
+    """Refuse (``error``, one line) a saved drafter that does not fit a target:
+    :func:`~dflash_trainer.model.drafter.check_compatible` with the target's tokenizer, the
+    message naming the drafter (``drafter``: a flag and folder), the target and ``fix``."""
+    try:
+        check_compatible(drafter_config, target_config, tokenizer=tokenizer)
+    except ValueError as exc:
+        raise error(f"{drafter} does not fit the target {target}: {exc}; {fix}") from exc
+
+
+def read_drafter_config(path: str | Path) -> PretrainedConfig:
+    """The ``config.json`` of an exported drafter folder, or :class:`CheckpointError`."""
+    path = Path(path)
+    try:
+        return DFlashDraftModel.config_class.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"{path / 'config.json'} is not a valid drafter config ({first_line(exc)}); "
+                              "restore the config.json written by export") from exc
 
 
 def load_checkpoint_drafter(path: str | Path, *, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
@@ -205,10 +263,17 @@ def load_checkpoint_drafter(path: str | Path, *, dtype: torch.dtype = torch.floa
 
 
 def main(cfg: Config, args: argparse.Namespace) -> int:
-    """``dflash-trainer export --checkpoint CKPT --out DIR``."""
+    """``dflash-trainer export --checkpoint CKPT --out DIR [--overwrite]``."""
     del cfg  # the drafter config inside the checkpoint is authoritative
-    model = load_checkpoint_drafter(args.checkpoint)
-    out = export_drafter(model, args.out)
+    out, checkpoint = Path(args.out), Path(args.checkpoint)
+    # Checked before the checkpoint is read: a wrong --out costs nothing and writes nothing.
+    check_export_destination(out, overwrite=args.overwrite, flag="--out ")
+    root = next((c for c in (checkpoint, checkpoint.parent) if (c / MANIFEST).is_file()), None)
+    if root is not None and (out.resolve() == root.resolve() or root.resolve() in out.resolve().parents):
+        raise ConfigError(f"--out {out} is inside the checkpoint {root}; its files are covered by the "
+                          "checkpoint's manifest, so choose a folder outside it")
+    model = load_checkpoint_drafter(checkpoint)
+    out = export_drafter(model, out)
     num_params = sum(p.numel() for p in model.parameters())
     print(f"exported drafter ({num_params / 1e6:.1f}M parameters, block {model.block_size}, "
           f"target layers {model.target_layer_ids}, mask id {model.mask_token_id}) to {out}")

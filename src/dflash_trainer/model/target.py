@@ -6,6 +6,10 @@ requested layers are kept; when no final hidden state is needed the forward stop
 the deepest requested layer. A layer id always means the raw layer output, as in the
 reference; the last layer is refused (:func:`check_target_layer_ids`), because HF's
 ``hidden_states[-1]``, which inference reads for it, is taken after the final norm.
+
+:func:`load_target` translates what transformers and safetensors raise on a folder without
+weights, a truncated or damaged weight file or an unsupported architecture into one
+:class:`~dflash_trainer.errors.TargetError` line naming the folder.
 """
 
 from __future__ import annotations
@@ -13,12 +17,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Collection
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
-from dflash_trainer.errors import ConfigError
+from dflash_trainer.assets import first_line, load_tokenizer
+from dflash_trainer.errors import ConfigError, TargetError
 
 __all__ = ["FeatureExtractor", "TargetOutputs", "check_target_layer_ids", "decoder_layers", "greedy_next_tokens",
            "lm_head_weight", "input_embedding_weight", "load_target", "resolve_mask_token_id"]
@@ -26,22 +33,42 @@ __all__ = ["FeatureExtractor", "TargetOutputs", "check_target_layer_ids", "decod
 LabelMode = Literal["data", "target_greedy", "kl"]
 
 
-def load_target(path: str, *, device: torch.device | str, dtype: torch.dtype) -> tuple[nn.Module, Any]:
-    """Load an HF causal LM and its tokenizer; eval mode, every parameter frozen."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.index.json")
+"""Files transformers loads weights from (an index names the shards)."""
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+def load_target(path: str, *, device: torch.device | str, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    """Load an HF causal LM and its tokenizer; eval mode, every parameter frozen.
+
+    A folder without weights, weights that do not load (truncated, damaged, not matching its
+    config.json) or a model without the decoder layout raise :class:`TargetError`."""
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(path)
+    if folder.is_dir() and not any(any(folder.glob(p)) for p in WEIGHT_PATTERNS):
+        present = ", ".join(sorted(p.name for p in folder.iterdir())[:6]) or "nothing"
+        raise TargetError(f"target {path}: no model weights in the folder (model.safetensors, "
+                          f"pytorch_model.bin or a sharded index; it holds {present}); copy the weights "
+                          "into it or give the complete model folder")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except torch.OutOfMemoryError:
+        raise
+    except (SafetensorError, OSError, ValueError, RuntimeError, KeyError, EOFError) as exc:
+        raise TargetError(f"target {path}: the model does not load ({type(exc).__name__}: "
+                          f"{first_line(exc)}); its weights are truncated, damaged or do not match its "
+                          "config.json: copy or download the model again") from exc
     decoder_layers(model)
     model.to(device).eval().requires_grad_(False)
-    return model, AutoTokenizer.from_pretrained(path)
+    return model, load_tokenizer(path)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """``model.model.layers`` of an HF decoder (Llama, Qwen2/3, Mistral, ...), or a clear error."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"target {type(model).__name__} has no model.model.layers: only HF decoder-only "
-                         f"causal LMs with that layout (Llama, Qwen2, Qwen3, Mistral, ...) are supported")
+        raise TargetError(f"target {type(model).__name__} has no model.model.layers: only HF decoder-only "
+                          f"causal LMs with that layout (Llama, Qwen2, Qwen3, Mistral, ...) are supported")
     return layers
 
 
@@ -56,7 +83,7 @@ def lm_head_weight(model: nn.Module) -> torch.Tensor:
     if getattr(model.config, "tie_word_embeddings", False) or head is None:
         return input_embedding_weight(model)
     if getattr(head, "bias", None) is not None:
-        raise ValueError(f"target LM head {type(head).__name__} has a bias; DFlash supports bias-free heads")
+        raise TargetError(f"target LM head {type(head).__name__} has a bias; DFlash supports bias-free heads")
     return head.weight
 
 
