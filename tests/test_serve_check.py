@@ -191,7 +191,7 @@ def test_report_marks_differing_outputs(tmp_path):
                                  counters=vllm_server.spec_counters(METRICS))
     plain = serve_check.ServedRun(label="plain", startup_s=90.0,
                                   completions=[_completion("a b", [1, 2]), _completion("d", [4])])
-    result = serve_check.build_result(args, tmp_path, tmp_path / "drafter", "given", ["p0", "p1"], spec, plain,
+    result = serve_check.build_result(args, tmp_path, tmp_path / "drafter", "given", ["p0", "p1"], (spec, plain),
                                       None, {}, num_draft=15)
     assert [row["identical"] for row in result["prompts"]] == [True, False]
     assert result["plain"]["tokens_per_s"] == pytest.approx(3.0)

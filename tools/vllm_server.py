@@ -54,7 +54,9 @@ class VllmServer:
     """A running vLLM server; use as ``with VllmServer(...) as server:``."""
 
     def __init__(self, command: Sequence[str], *, port: int, log_path: Path,
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, name: str = "vLLM") -> None:
+        self.name = name
+        """The engine's name in error messages (the class also runs llama.cpp's server)."""
         self.command = list(command)
         self.port = port
         self.url = f"http://{HOST}:{port}"
@@ -92,7 +94,7 @@ class VllmServer:
             while time.monotonic() < deadline:
                 code = self.process.poll()
                 if code is not None:
-                    raise ServerError(f"vLLM exited with status {code} before it was ready; "
+                    raise ServerError(f"{self.name} exited with status {code} before it was ready; "
                                       f"log {self.log_path}:\n{self.log_tail()}")
                 try:
                     if client.get(self.url + "/health").status_code == 200:
@@ -101,7 +103,7 @@ class VllmServer:
                 except httpx.TransportError:
                     pass
                 time.sleep(2.0)
-        raise ServerError(f"vLLM was not ready after {timeout_s:.0f} s; log {self.log_path}:\n"
+        raise ServerError(f"{self.name} was not ready after {timeout_s:.0f} s; log {self.log_path}:\n"
                           f"{self.log_tail()}")
 
     def stop(self, grace_s: float = 30.0) -> None:

@@ -1,0 +1,112 @@
+"""The llama.cpp arm of the serve check without a server: build stamp, commands, the comparison
+of plain and speculative outputs, acceptance bookkeeping and the cost model.
+
+The end-to-end run against a real ``llama-server`` is ``make serve-check`` (CI runs it).
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import llama_cpp_build  # noqa: E402
+import llama_cpp_server  # noqa: E402
+import serve_llama_cpp  # noqa: E402
+
+
+def completion(tokens, *, draft_n=0, accepted=0, ms=100.0):
+    return llama_cpp_server.LlamaCompletion(token_ids=list(tokens), text="", decode_ms=ms,
+                                            decode_tokens=len(tokens), draft_n=draft_n,
+                                            draft_accepted=accepted, wall_s=ms / 1000)
+
+
+def test_build_stamp_must_match_pin_and_options(tmp_path):
+    assert not llama_cpp_build.is_built(tmp_path)
+    binary = llama_cpp_build.binary(tmp_path)
+    binary.parent.mkdir(parents=True)
+    binary.write_text("")
+    (tmp_path / llama_cpp_build.STAMP).write_text("an older pin")
+    assert not llama_cpp_build.is_built(tmp_path)
+    (tmp_path / llama_cpp_build.STAMP).write_text(llama_cpp_build.stamp_content())
+    assert llama_cpp_build.is_built(tmp_path)
+
+
+def test_a_failed_build_step_names_the_step_and_the_log(tmp_path):
+    log_path = tmp_path / "build.log"
+    with open(log_path, "w") as log_file, pytest.raises(llama_cpp_build.BuildError,
+                                                        match=r"step 'configure' failed.*build.log"):
+        llama_cpp_build._run("configure", [sys.executable, "-c", "raise SystemExit(3)"], log_file)
+
+
+def test_server_commands_bind_loopback_and_draft_only_with_a_drafter(tmp_path):
+    plain = llama_cpp_server.server_command(tmp_path / "llama-server", tmp_path / "t.gguf", port=8123, draft=None,
+                                            draft_n_max=3, threads=2, ctx_size=2048)
+    spec = llama_cpp_server.server_command(tmp_path / "llama-server", tmp_path / "t.gguf", port=8124,
+                                           draft=tmp_path / "d.gguf", draft_n_max=3, threads=2, ctx_size=2048)
+    assert plain[plain.index("--host") + 1] == "127.0.0.1" and "-md" not in plain
+    assert spec[spec.index("-md") + 1] == str(tmp_path / "d.gguf")
+    assert spec[spec.index("--spec-type") + 1] == "draft-dflash"
+    assert spec[spec.index("--spec-draft-n-max") + 1] == "3"
+
+
+def test_first_difference_and_verify_steps():
+    assert serve_llama_cpp.compare(completion([1, 2, 3]), completion([1, 2, 3])) is None
+    assert serve_llama_cpp.compare(completion([1, 2, 3]), completion([1, 5, 3])) == 1
+    assert serve_llama_cpp.compare(completion([1, 2, 3]), completion([1, 2])) == 2
+    # 13 tokens: the prefill's, then 12 committed by steps that accepted 4 drafts in all: 8 steps.
+    assert serve_llama_cpp.verify_steps(completion([1] * 13, draft_n=24, accepted=4)) == 8
+    assert serve_llama_cpp.verify_steps(completion([1] * 6)) == 5
+
+
+def test_cost_model_break_even_and_targets():
+    # A speculative step costs 2.7 plain tokens: it pays from tau 2.7 on.
+    cost = serve_llama_cpp.cost_model(10.0, 27.0)
+    assert cost["break_even_tau"] == pytest.approx(2.7)
+    assert cost["tau_for_1.3x"] == pytest.approx(3.51)
+    assert cost["tau_for_2x"] == pytest.approx(5.4)
+    assert serve_llama_cpp.cost_model(None, 27.0)["break_even_tau"] is None
+
+
+def pair(i, plain_ms, spec_ms, identical=True):
+    spec = completion([1] * 13, draft_n=24, accepted=4, ms=spec_ms)
+    return {"index": i, "prompt": "p", "order": ["plain", "drafter"], "identical": identical,
+            "first_difference": None if identical else 3, "top2_margin": None if identical else 0.002,
+            "near_tie": not identical, "steps": 8, "tau": 1.5,
+            "plain": vars(completion([1] * 13, ms=plain_ms)), "drafter": vars(spec)}
+
+
+def test_summary_is_a_ratio_of_sums_and_flags_scatter(tmp_path):
+    options = serve_llama_cpp.LlamaCppOptions(build_dir=tmp_path, threads=1)
+    rows = {"pairs": [pair(0, 120.0, 100.0), pair(1, 120.0, 100.0, identical=False)],
+            "load_before": 0.0, "load_after": 0.0}
+    s = serve_llama_cpp._summarize(rows, model=tmp_path / "t.gguf", draft=tmp_path / "d.gguf", n_max=3,
+                                   options=options)
+    assert s["speedup"] == pytest.approx(1.2)
+    assert s["speedup_reliable"] and s["identical"] == 1 and s["near_ties"] == 1
+    assert s["acceptance"]["pooled_tau"] == pytest.approx(1.5)
+    # A speculative step: 100 ms / 8 steps; a plain one: 120 ms / 12 tokens after the first.
+    assert s["cost"]["break_even_tau"] == pytest.approx((100.0 / 8) / (120.0 / 12))
+    # One pair measured while something else ran: the scatter marks the figure.
+    rows["pairs"].append(pair(2, 400.0, 100.0))
+    s = serve_llama_cpp._summarize(rows, model=tmp_path / "t.gguf", draft=tmp_path / "d.gguf", n_max=3,
+                                   options=options)
+    assert not s["speedup_reliable"] and "scatter" in s["speedup_unreliable_reasons"][0]
+
+
+def test_serve_check_reports_llama_cpp_side_by_side(tmp_path):
+    import serve_check
+
+    options = serve_llama_cpp.LlamaCppOptions(build_dir=tmp_path, threads=2)
+    rows = {"pairs": [pair(0, 120.0, 100.0), pair(1, 120.0, 100.0, identical=False)],
+            "load_before": 0.1, "load_after": 0.2}
+    args = serve_check.parse_args(["--engine", "llama.cpp", "--prompts", "2"])
+    result = serve_check.build_result(args, tmp_path, tmp_path / "drafter", "given", ["p0", "p1"], None, None, {},
+                                      num_draft=3)
+    result["llama_cpp"] = serve_llama_cpp._summarize(rows, model=tmp_path / "t.gguf", draft=tmp_path / "d.gguf",
+                                                     n_max=3, options=options)
+    table = serve_check.format_report(result)
+    assert "outputs identical with and without the drafter: 1/2 (1 differing at a near-tie" in table
+    assert "near-tie: engine rounding" in table
+    assert "speedup 1.20x" in table and "pays from tau 1.25" in table

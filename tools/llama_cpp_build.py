@@ -1,0 +1,143 @@
+"""A cached CPU build of llama.cpp's ``llama-server``, from the source vendored in a pinned PyPI sdist.
+
+llama.cpp has no wheel of its own on PyPI; the sdist of ``llama-cpp-python`` vendors a complete
+llama.cpp (``vendor/llama.cpp``: the server, ``src/models/dflash.cpp`` and
+``convert_hf_to_gguf.py``). The build goes into a folder of its own (default
+``$XDG_CACHE_HOME/dflash-trainer/llama-cpp``, outside the work tree, so that every clone on the
+machine, CI's included, reuses it), once: a stamp holding the pin and the build options marks
+a finished build, so a pin or option change rebuilds. Every command's output is appended to
+``FOLDER/build.log``; a failed step raises :class:`BuildError` naming the step and the log.
+
+Two snags of the sdist: ``vendor/llama.cpp/.git`` is a stale gitlink file (cmake's version
+probe then re-runs on every build, and ninja loops "still dirty"), so it is removed; and the
+web UI and OpenSSL options are off, since nothing here can fetch their dependencies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+SDIST_PIN = "llama-cpp-python==0.3.36"
+TARGETS = ("llama-server",)
+CMAKE_OPTIONS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_OPENSSL=OFF",
+                 "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_UI=OFF",
+                 "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_BUILD_SERVER=ON",
+                 "-DLLAMA_BUILD_TOOLS=ON", "-DBUILD_SHARED_LIBS=OFF")
+STAMP = ".build-finished"
+
+
+class BuildError(RuntimeError):
+    """llama.cpp could not be fetched or built; the message names the step and the log."""
+
+
+def stamp_content() -> str:
+    """What the stamp of a finished build holds: the pin, targets and options."""
+    return json.dumps({"sdist": SDIST_PIN, "targets": list(TARGETS), "cmake": list(CMAKE_OPTIONS)})
+
+
+def default_folder() -> Path:
+    """The shared build folder in the user cache directory."""
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "dflash-trainer" / "llama-cpp"
+
+
+def source_dir(folder: Path) -> Path:
+    """The vendored llama.cpp source inside ``folder`` (``convert_hf_to_gguf.py`` lives there)."""
+    return folder / "src" / "vendor" / "llama.cpp"
+
+
+def binary(folder: Path, name: str = "llama-server") -> Path:
+    """Path of a built llama.cpp program."""
+    return folder / "build" / "bin" / name
+
+
+def is_built(folder: Path) -> bool:
+    """Whether ``folder`` holds a finished build of the current pin and options."""
+    stamp = folder / STAMP
+    return (stamp.is_file() and stamp.read_text() == stamp_content()
+            and all(binary(folder, t).is_file() for t in TARGETS))
+
+
+def _run(name: str, command: list[str], log_file, *, cwd: Path | None = None) -> None:
+    log_file.write(f"\n$ {' '.join(command)}\n")
+    log_file.flush()
+    code = subprocess.call(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                           cwd=cwd)
+    if code != 0:
+        raise BuildError(f"llama.cpp build: step '{name}' failed with exit code {code}; "
+                         f"see {log_file.name}")
+
+
+def _unpack(folder: Path, log_file) -> None:
+    download = folder / "download"
+    shutil.rmtree(download, ignore_errors=True)
+    download.mkdir(parents=True)
+    _run("download sdist", [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                            "--disable-pip-version-check", "-d", str(download), SDIST_PIN], log_file)
+    archives = sorted(download.glob("*.tar.gz"))
+    if len(archives) != 1:
+        raise BuildError(f"llama.cpp build: expected one sdist in {download}, found {len(archives)}")
+    unpacked = folder / "unpacked"
+    shutil.rmtree(unpacked, ignore_errors=True)
+    with tarfile.open(archives[0]) as tar:
+        tar.extractall(unpacked, filter="data")
+    (root,) = list(unpacked.iterdir())
+    shutil.rmtree(folder / "src", ignore_errors=True)
+    root.rename(folder / "src")
+    shutil.rmtree(unpacked)
+    shutil.rmtree(download)
+    gitlink = source_dir(folder) / ".git"
+    if gitlink.is_file():
+        gitlink.unlink()
+
+
+def ensure_built(folder: Path, *, jobs: int | None = None, log: Callable[[str], None] = print) -> Path:
+    """Build ``llama-server`` into ``folder`` unless a finished build is there; return its path."""
+    folder = folder.resolve()
+    if is_built(folder):
+        log(f"llama.cpp: {binary(folder)} is built ({SDIST_PIN})")
+        return binary(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    log_path = folder / "build.log"
+    log(f"llama.cpp: building llama-server from {SDIST_PIN} into {folder} (about 15 minutes on 2 cores), "
+        f"log {log_path}")
+    started = time.monotonic()
+    (folder / STAMP).unlink(missing_ok=True)
+    jobs = jobs or os.cpu_count() or 1
+    with open(log_path, "a", encoding="utf-8") as log_file:
+        if not (source_dir(folder) / "CMakeLists.txt").is_file():
+            _unpack(folder, log_file)
+        build = folder / "build"
+        _run("configure", ["cmake", "-S", str(source_dir(folder)), "-B", str(build), *CMAKE_OPTIONS], log_file)
+        _run("build", ["cmake", "--build", str(build), "--config", "Release", "-j", str(jobs),
+                       "--target", *TARGETS], log_file)
+    (folder / STAMP).write_text(stamp_content())
+    log(f"llama.cpp: built in {time.monotonic() - started:.0f} s")
+    return binary(folder)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python tools/llama_cpp_build.py [FOLDER]``: build (or find) llama-server; exit 1 on failure."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", nargs="?", default=str(default_folder()))
+    parser.add_argument("--jobs", type=int, default=None)
+    args = parser.parse_args(argv)
+    try:
+        ensure_built(Path(args.folder), jobs=args.jobs)
+    except BuildError as exc:
+        print(f"llama.cpp: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
