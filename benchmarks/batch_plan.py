@@ -1,6 +1,6 @@
 """Batch plan vs the usual alternatives on ShareGPT lengths: padding and same-bucket runs.
 
-    python benchmarks/batch_plan.py [--config configs/demo-cpu.yaml] [--set KEY=VALUE ...]
+    python -m benchmarks.batch_plan [--config configs/demo-cpu.yaml] [--set KEY=VALUE ...]
                                     [--lengths lengths.npy] [--estimate] [--world-sizes 1 8]
 
 Lengths come from ``--lengths`` (a .npy of per-sample token counts), else from the tokenized

@@ -1,6 +1,6 @@
 """How much a checkpoint save delays the training loop: asynchronous vs synchronous saves.
 
-    python benchmarks/checkpoint_stall.py [--layers 5] [--every 4] [--steps 14]
+    python -m benchmarks.checkpoint_stall [--layers 5] [--every 4] [--steps 14]
                                           [--device auto|cpu|cuda]
 
 One process, three runs of the same real training (the embedded SmolLM2-135M-Instruct target,

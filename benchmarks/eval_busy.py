@@ -1,6 +1,6 @@
 """The evaluation beside a busy process: torch threads on every core vs on the free cores.
 
-    python benchmarks/eval_busy.py [--prompts 3] [--max-new-tokens 32] [--rounds 2] [--busy 1]
+    python -m benchmarks.eval_busy [--prompts 3] [--max-new-tokens 32] [--rounds 2] [--busy 1]
                                    [--block-size 4] [--out eval_busy.json]
 
 Real components: the embedded SmolLM2-135M-Instruct target in float32, a randomly initialised
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     summary: dict[str, Any] = {
         "cpus": cpus, "busy_processes": args.busy, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
         "block_size": args.block_size, "rounds": args.rounds, "load_1m_start": started_load,
-        "command": "python benchmarks/eval_busy.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python -m benchmarks.eval_busy " + " ".join(argv if argv is not None else sys.argv[1:]),
         "torch": torch.__version__, "runs": rows}
     with busy_processes(args.busy) as pids:
         print(f"busy pids {pids}; others running now {_f(others_running(), '.1f')}", flush=True)

@@ -1,7 +1,7 @@
 """Check and time everything that only runs on a GPU, in one short script.
 
-    python benchmarks/gpu_check.py --out gpu_check.json          # one GPU, about 5 minutes
-    python benchmarks/gpu_check.py --device cpu --tiny --out x.json   # same code paths, tiny
+    python -m benchmarks.gpu_check --out gpu_check.json          # one GPU, about 5 minutes
+    python -m benchmarks.gpu_check --device cpu --tiny --out x.json   # same code paths, tiny
 
 Sections, each on fresh random inputs (a failing section is reported, the others still run):
 
@@ -18,7 +18,7 @@ Sections, each on fresh random inputs (a failing section is reported, the others
   5-layer Qwen3 target; model TFLOP/s and MFU against the measured ceiling, step time with
   SDPA for comparison, peak memory, and the number of recompilations during timed steps.
 - pipeline: the same steps pipelined (prefetch workers, target stage on its own CUDA stream,
-  drafter loop) vs sequential (one thread, one stream): overlap ratio, data_wait_frac.
+  drafter step) vs sequential (one thread, one stream): overlap ratio, data_wait_frac.
 - loss_memory: peak ``torch.cuda.max_memory_allocated`` of forward + backward of the LM-head
   loss at reference shapes, chunked (``loss.chunked_head_loss``) vs unchunked
   (``loss.reference_head_loss``), and whether their losses and gradients agree.
@@ -37,7 +37,6 @@ import json
 import math
 import os
 import platform
-import socket
 import sys
 import time
 import traceback
@@ -51,21 +50,18 @@ from typing import Any
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from pipeline import Parts, RunResult, run_pipelined, run_sequential
-
-from dflash_trainer.components import PEAK_BF16_FLOPS, build
+from benchmarks.pipeline import Parts, RunResult, run_pipelined, run_sequential
+from dflash_trainer.components import build, peak_flops
 from dflash_trainer.config import ModelConfig, load_config
 from dflash_trainer.distributed import DistInfo
 from dflash_trainer.flops import LayerDims, StepShape
 from dflash_trainer.flops import step_flops as model_step_flops
+from dflash_trainer.model.batch import Batch
 from dflash_trainer.model.blocks import flex_block_mask, sample_anchors, slot_weights
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.model.loss import chunked_head_loss, reference_head_loss
 from dflash_trainer.model.objective import DFlashObjective
 from dflash_trainer.model.target import TargetOutputs
-from dflash_trainer.pipeline.batch import Batch
 from dflash_trainer.pipeline.pipeline import PipelineSettings
 
 GAMMA = 7.0
@@ -222,7 +218,7 @@ class SyntheticTokens:
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
-    """bf16 autocast as ``DrafterTrainLoop`` uses it; nothing for fp32."""
+    """bf16 autocast as ``DrafterStep`` uses it; nothing for fp32."""
     return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
@@ -484,11 +480,10 @@ def section_train_step(st: Settings, ceiling_tflops: float | None,
     }
     if ceiling_tflops:
         data["mfu_vs_measured"] = tflops / ceiling_tflops
+    spec = peak_flops(device)
+    if spec:
+        data["mfu_vs_spec"] = tflops * 1e12 / spec
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        spec = next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
-        if spec:
-            data["mfu_vs_spec"] = tflops * 1e12 / spec
         if data["attention"] == "flex":
             data["block_mask_s"] = _time_block_mask(geom, device)
             # The same steps with SDPA and the dense mask, to show what flex buys.
@@ -502,7 +497,7 @@ def section_train_step(st: Settings, ceiling_tflops: float | None,
                 data["sdpa_step_s"] = "out of memory"
             finally:
                 objective.attention = "auto"
-                parts.loop.optimizer.zero_grad(set_to_none=True)
+                parts.drafter_step.optimizer.zero_grad(set_to_none=True)
                 _free(device)
     keep["seq"] = seq
     mfu = data.get("mfu_vs_measured")
@@ -621,12 +616,6 @@ def section_loss_memory(st: Settings) -> Section:
                    data=data)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def section_nccl(st: Settings) -> Section:
     """A 1-process group (NCCL on CUDA, gloo on CPU): init, all_reduce, timing."""
     import torch.distributed as dist
@@ -639,8 +628,11 @@ def section_nccl(st: Settings) -> Section:
         return Section("nccl", status="skipped", note="a process group already exists")
     kwargs = {"device_id": st.device} if cuda else {}
     start = time.perf_counter()
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                            world_size=1, timeout=timedelta(seconds=60), **kwargs)
+    # The store listens on a port the OS picks and keeps: nothing else can take it meanwhile.
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True,
+                          timeout=timedelta(seconds=60))
+    dist.init_process_group(backend, store=store, rank=0, world_size=1,
+                            timeout=timedelta(seconds=60), **kwargs)
     try:
         init_s = time.perf_counter() - start
         numel = (1 << 14) if st.tiny else (1 << 27)  # 256 MiB of bf16 on the GPU

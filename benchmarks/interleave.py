@@ -1,6 +1,6 @@
 """Diversity-first interleaving vs a plain shuffle of the same bucketed batches, trained.
 
-    HF_HUB_OFFLINE=1 python benchmarks/interleave.py [--config configs/demo-cpu.yaml]
+    HF_HUB_OFFLINE=1 python -m benchmarks.interleave [--config configs/demo-cpu.yaml]
         [--set KEY=VALUE ...] [--steps 150] [--seeds 0 1] [--work-dir runs/interleave]
         [--out benchmarks/results/interleave.json] [--png docs/interleave.png]
 
@@ -45,16 +45,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.batch_plan import bucket_histogram, format_histogram
 from dflash_trainer.config import Config, config_to_dict, load_config
 from dflash_trainer.data.buckets import build_plan, longest_run
 from dflash_trainer.data.prepare import build_dataset
-from dflash_trainer.model.blocks import sample_anchors
+from dflash_trainer.model.batch import Batch
 from dflash_trainer.model.objective import DFlashObjective
 from dflash_trainer.model.target import FeatureExtractor, TargetOutputs
-from dflash_trainer.pipeline.batch import Batch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batch_plan import bucket_histogram, format_histogram  # noqa: E402
+from dflash_trainer.pipeline.prefetch import PrefetchOptions, collate
 
 ORDERS = ("interleave", "shuffle")
 CLAIM_SETTING = [
@@ -154,24 +152,15 @@ class HeldOut:
 
 def heldout_batches(cfg: Config, *, num_anchors: int, block_size: int) -> HeldOut:
     """The first ``data.heldout_samples`` records, prepared like the training data, packed
-    like it and given anchors from a fixed generator."""
+    like it and collated by the prefetcher's ``collate`` with seed 0 (the same anchors in
+    every run)."""
     held = dataclasses.replace(cfg, data=dataclasses.replace(
         cfg.data, heldout_samples=0, max_samples=cfg.data.heldout_samples))
     store, _ = build_dataset(held, log=None)
     plan = build_plan(np.asarray(store.lengths), cfg.pipeline, seed=0, epoch=0)
-    generator = torch.Generator().manual_seed(0)
-    batches = []
-    for step in plan.steps:
-        rows = [store[int(i)] for i in step.batches[0]]
-        lens = torch.tensor([len(t) for t, _ in rows])
-        ids = torch.zeros(len(rows), int(lens.max()), dtype=torch.long)
-        mask = torch.zeros(ids.shape, dtype=torch.bool)
-        for r, (tokens, loss_mask) in enumerate(rows):
-            ids[r, :len(tokens)] = torch.from_numpy(np.asarray(tokens, dtype=np.int64))
-            mask[r, :len(tokens)] = torch.from_numpy(np.asarray(loss_mask, dtype=bool))
-        anchors, keep = sample_anchors(mask, num_anchors, block_size, generator, seq_lens=lens)
-        batches.append(Batch.of_rows(ids, mask, anchors=anchors, keep=keep, seq_lens=lens))
-    return HeldOut(batches)
+    options = PrefetchOptions(rank=0, num_workers=1, num_anchors=num_anchors,
+                              block_size=block_size, seed=0, epochs=1)
+    return HeldOut([collate(store, plan, step, options) for step in range(len(plan))])
 
 
 @torch.no_grad()
@@ -339,7 +328,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(format_histogram(histogram), flush=True)
     heldout_for: dict[str, Any] = {"anchors": args.heldout_anchors}
     header = {
-        "command": "python " + " ".join(sys.argv),
+        "command": "python -m benchmarks.interleave " + " ".join(sys.argv[1:]),
         "settings": {"claim_setting": CLAIM_SETTING, "set": args.set, "steps": args.steps,
                      "seeds": args.seeds, "window": args.window, "jump": args.jump,
                      "skip": args.skip, "heldout_anchors": args.heldout_anchors},

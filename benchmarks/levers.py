@@ -2,7 +2,7 @@
 
 Usage::
 
-    .venv/bin/python benchmarks/levers.py --config configs/demo-cpu.yaml --train-samples 48 \\
+    .venv/bin/python -m benchmarks.levers --config configs/demo-cpu.yaml --train-samples 48 \\
         --heldout-samples 8 --checkpoints 50,150,500 --seeds 0,1 \\
         --variant base \\
         --variant init:model.drafter_init=target \\
@@ -13,8 +13,9 @@ The target runs once: the outputs of every tapped layer any variant needs and th
 hidden states (the KL target) of ``--train-samples + --heldout-samples`` samples of the run's
 token store are cached in memory (and on disk under ``--cache-dir``, keyed by the target, the
 data and the layers). Each variant then runs drafter-only optimizer steps on the training
-samples in turn, one sample per step, built from the config exactly as the trainer builds
-them (drafter, init, objective, optimizer, lr schedule), and measures the agreement of the
+samples in turn, one sample per step, with the trainer's own drafter side and training step
+(``components.build_drafter_step``: drafter, init, objective, optimizer, lr schedule and the
+``DrafterStep``), and measures the agreement of the
 drafter's slot-k argmax with the target's argmax on the held-out samples (fixed anchors: every
 valid anchor up to ``--eval-anchors`` per sample) at each checkpoint step.
 
@@ -31,7 +32,6 @@ import argparse
 import hashlib
 import json
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,21 +39,18 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
-
-from quality import split_overrides  # noqa: E402  (sibling benchmark script, not a package)
-
-from dflash_trainer import assets  # noqa: E402
-from dflash_trainer.config import Config, load_config  # noqa: E402
-from dflash_trainer.data.prepare import build_dataset  # noqa: E402
-from dflash_trainer.model.blocks import sample_anchors  # noqa: E402
-from dflash_trainer.model.drafter import build_drafter, initialise_drafter, text_config  # noqa: E402
-from dflash_trainer.model.objective import DFlashObjective  # noqa: E402
-from dflash_trainer.model.target import (FeatureExtractor, TargetOutputs,  # noqa: E402
-                                         greedy_next_tokens, load_target, resolve_mask_token_id)
-from dflash_trainer.pipeline.batch import Batch  # noqa: E402
-from dflash_trainer.optim import LRSchedule, build_optimizer  # noqa: E402
+from benchmarks.quality import split_overrides
+from dflash_trainer import assets
+from dflash_trainer.components import build_drafter_step, run_mask_token_id
+from dflash_trainer.config import Config, load_config
+from dflash_trainer.data.prepare import build_dataset
+from dflash_trainer.distributed import DistInfo
+from dflash_trainer.model.batch import Batch, StepInput
+from dflash_trainer.model.blocks import sample_anchors
+from dflash_trainer.model.drafter import tapped_layer_ids, text_config
+from dflash_trainer.model.objective import DFlashObjective
+from dflash_trainer.model.target import FeatureExtractor, TargetOutputs, greedy_next_tokens, load_target
+from dflash_trainer.pipeline.metrics import combine
 
 __all__ = ["Cached", "cache_outputs", "run_variant"]
 
@@ -67,13 +64,6 @@ class Cached:
     layers: dict[int, torch.Tensor]
     final_hidden: torch.Tensor
     greedy_labels: torch.Tensor | None = None
-
-
-def _layer_ids(cfg: Config, num_target_layers: int) -> list[int]:
-    from dflash_trainer.model.drafter import default_target_layer_ids
-
-    return (list(cfg.model.target_layer_ids) if cfg.model.target_layer_ids is not None
-            else default_target_layer_ids(num_target_layers, cfg.model.num_layers))
 
 
 def cache_outputs(target: torch.nn.Module, store: Any, indices: list[int], layer_ids: list[int],
@@ -100,24 +90,26 @@ def _batch(sample: Cached, anchors: torch.Tensor, keep: torch.Tensor) -> Batch:
     return Batch.of_rows(sample.input_ids, sample.loss_mask, anchors=anchors, keep=keep)
 
 
-def _target(sample: Cached, layer_ids: list[int], head: torch.Tensor | None) -> TargetOutputs:
-    """The cached outputs as the trainer's target stage gives them; greedy labels if ``head``."""
-    if head is not None and sample.greedy_labels is None:
-        # Greedy labels exactly as FeatureExtractor derives them, from the cached final states
-        # (once per sample, for the variants with training.labels=target_greedy).
-        sample.greedy_labels = greedy_next_tokens(sample.final_hidden, head, sample.input_ids, 1024)
+def _target(sample: Cached, layer_ids: list[int], labels: FeatureExtractor | None) -> TargetOutputs:
+    """The cached outputs as the trainer's target stage gives them; greedy labels as
+    ``labels`` (the run's extractor, when it makes them) derives them."""
+    if labels is not None and sample.greedy_labels is None:
+        # From the cached final states, once per sample, for the variants with
+        # training.labels=target_greedy.
+        sample.greedy_labels = greedy_next_tokens(sample.final_hidden, labels.head_weight,
+                                                  sample.input_ids, labels.label_chunk_size)
     return TargetOutputs(features=torch.cat([sample.layers[i] for i in layer_ids], dim=-1),
                          final_hidden=sample.final_hidden, target_labels=sample.greedy_labels)
 
 
 @torch.no_grad()
 def evaluate(objective: DFlashObjective, heldout: list[tuple[Cached, torch.Tensor, torch.Tensor]],
-             layer_ids: list[int], head: torch.Tensor | None) -> list[float]:
+             layer_ids: list[int], labels: FeatureExtractor | None) -> list[float]:
     """Per-slot agreement with the target's argmax over the held-out samples' fixed anchors."""
     objective.eval()
     correct = count = None
     for sample, anchors, keep in heldout:
-        sums = objective(_batch(sample, anchors, keep), _target(sample, layer_ids, head), 10**9)
+        sums = objective(_batch(sample, anchors, keep), _target(sample, layer_ids, labels), 10**9)
         c, n = sums.correct_per_slot.double(), sums.count_per_slot.double()
         correct = c if correct is None else correct + c
         count = n if count is None else count + n
@@ -125,47 +117,48 @@ def evaluate(objective: DFlashObjective, heldout: list[tuple[Cached, torch.Tenso
     return (correct / count.clamp_min(1)).tolist()
 
 
-def run_variant(cfg: Config, *, target: torch.nn.Module, mask_token_id: int, train: list[Cached],
-                heldout: list[Cached], checkpoints: list[int], seed: int, eval_anchors: int) -> dict[str, Any]:
-    """Train one variant from a fresh drafter for ``max(checkpoints)`` steps; agreement at each checkpoint."""
-    torch.manual_seed(seed)
-    drafter = build_drafter(cfg.model, target.config, mask_token_id=mask_token_id)
-    initialise_drafter(drafter, target, cfg.model)
-    layer_ids = drafter.target_layer_ids
-    embed = target.get_input_embeddings().weight
-    head = target.get_output_embeddings().weight
-    objective = DFlashObjective.from_config(drafter, embed, head, cfg)
-    label_head = head if cfg.training.labels == "target_greedy" else None
-    params = [p for p in objective.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, cfg.training)
+def run_variant(cfg: Config, *, target: torch.nn.Module, tokenizer: Any, mask_token_id: int,
+                train: list[Cached], heldout: list[Cached], checkpoints: list[int], seed: int,
+                eval_anchors: int) -> dict[str, Any]:
+    """Train one variant from a fresh drafter (initialised from ``seed``) for ``max(checkpoints)``
+    optimizer steps; agreement at each checkpoint."""
     total = max(checkpoints)
-    schedule = LRSchedule(optimizer, total_steps=total, cfg=cfg.training)
-    block = drafter.block_size
-    fixed = torch.Generator().manual_seed(1234)
-    heldout_batches = []
-    for sample in heldout:
-        anchors, keep = sample_anchors(sample.loss_mask, eval_anchors, block, fixed)
-        heldout_batches.append((sample, anchors, keep))
-    gen = torch.Generator().manual_seed(seed)
-    curve: dict[int, list[float]] = {}
-    losses = []
-    start = time.perf_counter()
-    for step in range(total):
-        sample = train[step % len(train)]
-        anchors, keep = sample_anchors(sample.loss_mask, cfg.training.num_anchors, block, gen)
-        loss = objective(_batch(sample, anchors, keep), _target(sample, layer_ids, label_head), step).mean_loss()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.training.grad_clip)
-        optimizer.step()
-        schedule.step()
-        losses.append(float(loss.detach()))
-        if step + 1 in checkpoints:
-            curve[step + 1] = evaluate(objective, heldout_batches, layer_ids, label_head)
-            print(f"    step {step + 1}: slot-1 {curve[step + 1][0]:.3f}  slot-2 "
-                  f"{curve[step + 1][1] if len(curve[step + 1]) > 1 else float('nan'):.3f}  "
-                  f"loss {statistics.fmean(losses[-20:]):.3f}  ({time.perf_counter() - start:.0f} s)",
-                  flush=True)
+    torch.manual_seed(seed)
+    side = build_drafter_step(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")),
+                              target, mask_token_id=mask_token_id, tokenizer=tokenizer, total_steps=total,
+                              compute_dtype=next(target.parameters()).dtype)
+    try:
+        drafter_step, objective = side.drafter_step, side.objective
+        layer_ids = side.drafter.target_layer_ids
+        labels = side.extractor if cfg.training.labels == "target_greedy" else None
+        block = side.drafter.block_size
+        fixed = torch.Generator().manual_seed(1234)
+        heldout_batches = []
+        for sample in heldout:
+            anchors, keep = sample_anchors(sample.loss_mask, eval_anchors, block, fixed)
+            heldout_batches.append((sample, anchors, keep))
+        gen = torch.Generator().manual_seed(seed)
+        curve: dict[int, list[float]] = {}
+        losses = []
+        start = time.perf_counter()
+        micro = 0
+        while drafter_step.optimizer_step < total:
+            sample = train[micro % len(train)]
+            micro += 1
+            anchors, keep = sample_anchors(sample.loss_mask, cfg.training.num_anchors, block, gen)
+            item = StepInput(batch=_batch(sample, anchors, keep), target=_target(sample, layer_ids, labels))
+            if not drafter_step.train_micro_batch(item):
+                continue
+            losses.append(combine([drafter_step.get_metrics()])["train/loss"])
+            step = drafter_step.optimizer_step
+            if step in checkpoints:
+                curve[step] = evaluate(objective, heldout_batches, layer_ids, labels)
+                print(f"    step {step}: slot-1 {curve[step][0]:.3f}  slot-2 "
+                      f"{curve[step][1] if len(curve[step]) > 1 else float('nan'):.3f}  "
+                      f"loss {statistics.fmean(losses[-20:]):.3f}  ({time.perf_counter() - start:.0f} s)",
+                      flush=True)
+    finally:
+        side.extractor.close()
     return {"seed": seed, "agreement": {str(k): v for k, v in curve.items()},
             "loss_last20": statistics.fmean(losses[-20:]), "seconds": time.perf_counter() - start}
 
@@ -213,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     count = args.train_samples + args.heldout_samples
     step = max(1, len(store) // count)
     indices = [i * step for i in range(count)]
-    layer_ids = sorted({lid for cfg in configs.values() for lid in _layer_ids(cfg, num_layers)})
+    layer_ids = sorted({lid for cfg in configs.values() for lid in tapped_layer_ids(cfg.model, num_layers)})
     cache_file = Path(args.cache_dir) / f"{_cache_key(base, target_path, indices)}.pt"
     cached = [Cached(**item) for item in torch.load(cache_file)] if cache_file.exists() else []
     if not cached or not set(layer_ids) <= set(cached[0].layers):
@@ -227,12 +220,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{time.perf_counter() - t0:.0f} s -> {cache_file}", flush=True)
     train, heldout = cached[:args.train_samples], cached[args.train_samples:]
     embed_rows = target.get_input_embeddings().weight.shape[0]
-    mask_id = resolve_mask_token_id(tokenizer, embed_rows, explicit=base.model.mask_token_id)
+    mask_id = run_mask_token_id(base, tokenizer, embed_rows, store)
     results = []
     for name, overrides in variants:
         for seed in seeds:
             print(f"{name} seed {seed} ({', '.join(overrides) or 'config'})", flush=True)
-            row = run_variant(configs[name], target=target, mask_token_id=mask_id, train=train,
+            row = run_variant(configs[name], target=target, tokenizer=tokenizer, mask_token_id=mask_id, train=train,
                               heldout=heldout, checkpoints=checkpoints, seed=seed,
                               eval_anchors=args.eval_anchors)
             results.append({"variant": name, "overrides": overrides, **row})

@@ -1,6 +1,6 @@
 """Peak memory of the LM-head loss: naive (full logits under autograd) vs chunked.
 
-    python benchmarks/loss_memory.py [--slots 1920] [--hidden 576] [--vocab 49152] [--chunk 256]
+    python -m benchmarks.loss_memory [--slots 1920] [--hidden 576] [--vocab 49152] [--chunk 256]
 
 Defaults are one SmolLM2-size micro-batch: 128 anchors x 15 supervised slots, hidden 576,
 vocab 49152. Each variant runs forward + backward once in its own subprocess; the extra peak

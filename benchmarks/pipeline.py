@@ -1,13 +1,13 @@
 """Pipelined training vs the same steps run sequentially in one thread, in one run.
 
-    python benchmarks/pipeline.py [--steps 8] [--warmup 2] [--threads 2/2 1/1 1/2 2/1]
-                                  [--repeats 1] [--target smollm2] [--data sharegpt] [--out pipeline.json]
-                                  [--set key=value ...]
+    python -m benchmarks.pipeline [--steps 8] [--warmup 2] [--threads 2/2 1/1 1/2 2/1]
+                                 [--repeats 1] [--target smollm2] [--data sharegpt] [--out pipeline.json]
+                                 [--set key=value ...]
 
 Real components: everything from ``components.build`` (the trainer's one assembly: token
-store, plans, target with its ``FeatureExtractor``, drafter objective, ``DrafterTrainLoop``),
+store, plans, target with its ``FeatureExtractor``, drafter objective, ``DrafterStep``),
 and for the pipelined run the trainer's own ``TrainingPipeline`` (prefetcher -> target stage
--> the loop on the main thread), without checkpoints or trackers.
+-> the drafter step on the main thread), without checkpoints or trackers.
 
 The sequential run does the same steps (same plan positions, same anchors) in the main
 thread: collate, target forward, drafter step, one after the other. Each run skips
@@ -15,7 +15,7 @@ thread: collate, target forward, drafter step, one after the other. Each run ski
 thread (T) and of the drafter thread (D) of a pipelined run; a sequential run uses D.
 
 Printed: tokens/s of each run and its ratio to the best sequential setting, the CPU time
-the run got (on a shared machine the wall clock alone misleads), the drafter loop's
+the run got (on a shared machine the wall clock alone misleads), the drafter step's
 ``perf/data_wait_frac``, the busy fraction of each stage over the timed window, then medians
 per setting over ``--repeats`` (runs alternate their order between repeats).
 """
@@ -40,8 +40,9 @@ import torch
 from dflash_trainer.components import Components, build
 from dflash_trainer.config import Config, load_config
 from dflash_trainer.distributed import DistInfo, resolve_device
+from dflash_trainer.model.batch import StepInput
 from dflash_trainer.model.target import TargetOutputs
-from dflash_trainer.pipeline.batch import Batch, StepInput
+from dflash_trainer.pipeline.drafter_step import DrafterStep
 from dflash_trainer.pipeline.metrics import combine
 from dflash_trainer.pipeline.pipeline import PipelineSettings, TrainingPipeline
 from dflash_trainer.pipeline.target_stage import FeatureFn
@@ -61,9 +62,9 @@ class Parts:
     """Settings to print with the results (model sizes, batch shapes, ...)."""
 
     @property
-    def loop(self) -> Any:
-        """The drafter train loop."""
-        return self.components.loop
+    def drafter_step(self) -> DrafterStep:
+        """The trainer's drafter step."""
+        return self.components.drafter_step
 
     @property
     def device(self) -> torch.device:
@@ -86,7 +87,7 @@ class Parts:
         c = self.components
         settings = PipelineSettings(**{**asdict(self.settings), "epochs": self.epochs_for(steps)})
         return TrainingPipeline(data=c.data, plans=c.plans, extract=extract or c.extractor,
-                                loop=c.loop, dist=c.dist, settings=settings)
+                                drafter_step=c.drafter_step, dist=c.dist, settings=settings)
 
 
 @dataclass(kw_only=True)
@@ -171,48 +172,50 @@ class _WithThreads:
 
 def run_pipelined(parts: Parts, *, steps: int, warmup: int, target_threads: int | None = None,
                   drafter_threads: int | None = None) -> RunResult:
-    """The trainer's pipeline: prefetch workers -> target stage thread -> the drafter loop on
-    this thread."""
+    """The trainer's pipeline: prefetch workers -> target stage thread -> the drafter step on
+    this thread, as ``Trainer.train`` runs it."""
     previous = torch.get_num_threads()
     if drafter_threads:
         torch.set_num_threads(drafter_threads)
-    loop = parts.loop
-    start_step = loop.optimizer_step
+    drafter_step = parts.drafter_step
+    start_step = drafter_step.optimizer_step
     pipe = parts.pipeline(steps + warmup, _WithThreads(parts.components.extractor, target_threads))
     tokens = 0
     try:
         with pipe:
             window_start, cpu_start = time.perf_counter(), time.process_time()
-            trained = pipe.batches_trained(
-                until=lambda: loop.optimizer_step - start_step >= steps + warmup)
-            for i, item in enumerate(trained):
+            inputs = pipe.step_inputs(
+                until=lambda: drafter_step.optimizer_step - start_step >= steps + warmup)
+            for i, item in enumerate(inputs):
+                drafter_step.train_micro_batch(item)
+                pipe.acknowledge(item.batch)
                 if i >= warmup:
                     tokens += item.batch.num_tokens
                 if i + 1 == warmup:
-                    # Start the timed window: reset every stage's and the loop's counters.
+                    # Start the timed window: reset every stage's and the step's counters.
                     _sync(parts.device)
                     pipe.stage_metrics()
-                    loop.get_metrics()
+                    drafter_step.get_metrics()
                     window_start, cpu_start = time.perf_counter(), time.process_time()
-            done = loop.optimizer_step - start_step
+            done = drafter_step.optimizer_step - start_step
             if done < steps + warmup:
                 raise RuntimeError(f"the pipeline ended after {done} of {steps + warmup} steps")
             _sync(parts.device)
             seconds = time.perf_counter() - window_start
             cpu_s = time.process_time() - cpu_start
             stage_metrics = combine([pipe.stage_metrics()])
-            loop_metrics = combine([loop.get_metrics()])
+            step_metrics = combine([drafter_step.get_metrics()])
             pipe.close()  # the plan has more steps; stop the stages instead of draining them
     finally:
         torch.set_num_threads(previous)
     busy = {"prefetch": stage_metrics["pipe/prefetch/busy_frac"],
             "target": stage_metrics["pipe/target/busy_frac"],
-            "drafter": min(1.0, loop_metrics["perf/step_time_s"] * steps / seconds)}
+            "drafter": min(1.0, step_metrics["perf/step_time_s"] * steps / seconds)}
     return RunResult(mode="pipelined", threads=f"{target_threads or previous}/"
                      f"{drafter_threads or previous}", steps=steps, tokens=tokens,
                      seconds=seconds, tokens_per_s=tokens / seconds, cpu_s=cpu_s,
                      load_avg=os.getloadavg()[0],
-                     data_wait_frac=loop_metrics["perf/data_wait_frac"], busy=busy)
+                     data_wait_frac=step_metrics["perf/data_wait_frac"], busy=busy)
 
 
 def run_sequential(parts: Parts, *, steps: int, warmup: int,
@@ -223,7 +226,8 @@ def run_sequential(parts: Parts, *, steps: int, warmup: int,
         torch.set_num_threads(threads)
     # A pipeline that is never started: its prefetcher's collate (the real one) is used.
     collater = parts.pipeline(steps + warmup).prefetcher
-    plans, extract, loop = parts.components.plans, parts.components.extractor, parts.loop
+    c = parts.components
+    plans, extract, drafter_step = c.plans, c.extractor, c.drafter_step
     tokens = 0
     timer = _StageTimer(parts.device)
     positions = [(e, s) for e in range(parts.epochs_for(steps + warmup))
@@ -233,7 +237,7 @@ def run_sequential(parts: Parts, *, steps: int, warmup: int,
         for i, (epoch, step) in enumerate(positions):
             timed = i >= warmup
             began = time.perf_counter()
-            batch: Batch = collater.collate(plans(epoch), step, i)
+            batch = collater.collate(plans(epoch), step, i)
             if timed:
                 timer.add("collate", time.perf_counter() - began)  # host work on any device
             began = timer.start()
@@ -242,18 +246,18 @@ def run_sequential(parts: Parts, *, steps: int, warmup: int,
             if timed:
                 timer.stop("target", began)
             began = timer.start()
-            loop.train_micro_batch(StepInput(batch=batch, target=target))
+            drafter_step.train_micro_batch(StepInput(batch=batch, target=target))
             if timed:
                 timer.stop("drafter", began)
                 tokens += batch.num_tokens
             if i + 1 == warmup:
                 _sync(parts.device)
-                loop.get_metrics()
+                drafter_step.get_metrics()
                 window_start, cpu_start = time.perf_counter(), time.process_time()
         _sync(parts.device)
         seconds = time.perf_counter() - window_start
         cpu_s = time.process_time() - cpu_start
-        loop.get_metrics()
+        drafter_step.get_metrics()
     finally:
         torch.set_num_threads(previous)
     stage_s = timer.total()

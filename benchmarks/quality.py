@@ -3,7 +3,7 @@ training (set-up excluded) and measure the acceptance length on held-out prompts
 
 Usage::
 
-    .venv/bin/python benchmarks/quality.py --config configs/demo-cpu.yaml --budget-s 240 \\
+    .venv/bin/python -m benchmarks.quality --config configs/demo-cpu.yaml --budget-s 240 \\
         --variant demo \\
         --variant greedy:training.labels=target_greedy \\
         --variant lr2e-3:training.lr=2e-3,training.warmup_ratio=0.01 \\
@@ -93,7 +93,8 @@ def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
 # --- worker side (one subprocess) -------------------------------------------------------------
 
 def _eval_prompt_ids(cfg: Any, tokenizer: Any, num_prompts: int) -> list[tuple[str, str, list[int]]]:
-    from dflash_trainer.evaluate import load_prompts, render_prompt
+    from dflash_trainer.data.tokenize import render_prompt
+    from dflash_trainer.evaluate import load_prompts
 
     prompts = load_prompts(cfg, limit=num_prompts, first_turn_only=True)
     return [(p.id, p.turns[0], render_prompt(tokenizer, [{"role": "user", "content": p.turns[0]}],
@@ -203,7 +204,7 @@ def worker_variant(spec: dict[str, Any]) -> dict[str, Any]:
         train_s = time.perf_counter() - t1
     finally:
         trainer.close()
-    steps = trainer.loop.optimizer_step
+    steps = trainer.drafter_step.optimizer_step
     logged = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()
               if line.strip()]
     windows = [r for r in logged if "train/loss" in r]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from dflash_trainer.model.batch import Batch
 from dflash_trainer.model.loss import LossSums
 from dflash_trainer.model.target import TargetOutputs
-from dflash_trainer.pipeline.batch import Batch
 
 
 def run_objective(objective: torch.nn.Module, tensors: dict[str, torch.Tensor],

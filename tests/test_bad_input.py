@@ -24,12 +24,12 @@ from helpers_e2e import make_chat_jsonl, make_tiny_target, serving
 from transformers import AutoConfig
 
 from dflash_trainer.checkpoint import Checkpointer, SaveRequest, resolve_resume
-from dflash_trainer.cli import disk_error
 from dflash_trainer.cli import main as cli_main
 from dflash_trainer.config import ModelConfig
 from dflash_trainer.data.formats import Location, normalize_record
 from dflash_trainer.data.regen_backends import SamplingParams
 from dflash_trainer.data.regenerate import OpenAIBackend, regenerate
+from dflash_trainer.fsutil import disk_error
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.model.export import export_drafter
 
@@ -511,6 +511,19 @@ CASES = [
     Case("prepare: data.cache_dir is a file", _a_file_at("cache", "prepare"), 1,
          r"disk error: cannot write .*cache: it is a file, not a folder; choose another "
          r"data.cache_dir"),
+    # --- DFlash2 ---
+    Case("train: a DFlash2 option with model.variant dflash", _train("model.selector_rank=64"), 2,
+         r"config error: model.selector_rank is a DFlash2 option, but model.variant is dflash; set "
+         r"model.variant=dflash2 or remove it$"),
+    Case("train: selector rank out of range", _train("model.variant=dflash2", "model.selector_rank=0"), 2,
+         r"config error: model.selector_rank must be in \[1, 8192\], or none for 256 \(model.variant: "
+         r"dflash2 only\), got 0$"),
+    Case("train: selector top-k out of range", _train("model.variant=dflash2", "model.selector_top_k=5000"), 2,
+         r"config error: model.selector_top_k must be in \[1, 1024\], or none for 16 .*got 5000$"),
+    Case("train: conv group size does not divide the hidden size",
+         _train("model.variant=dflash2", "model.conv_group_size=24"), 2,
+         r"config error: model.conv_group_size=24 does not divide the target's hidden size 64; choose a "
+         r"divisor of it"),
 ]
 
 

@@ -15,21 +15,20 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from helpers_e2e import make_chat_jsonl, make_tiny_target
 
+from benchmarks import gpu_check
+from dflash_trainer.model.blocks import dense_block_mask, sample_anchors
+from dflash_trainer.model.modeling.dflash import block_slots
+from dflash_trainer.model.objective import DFlashObjective
+from dflash_trainer.model.target import FeatureExtractor
+from helpers_objective import run_objective
+
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import gpu_check  # noqa: E402
-from dflash_trainer.model.blocks import dense_block_mask, sample_anchors  # noqa: E402
-from dflash_trainer.model.objective import DFlashObjective  # noqa: E402
-from dflash_trainer.model.target import FeatureExtractor  # noqa: E402
-from dflash_trainer.model.modeling.dflash import block_slots  # noqa: E402
-from helpers_objective import run_objective  # noqa: E402
 
 
-def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+def _run(name: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m benchmarks.NAME ARGS`` from the repository root, as the docs run it."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([sys.executable, str(BENCH / script), *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -41,7 +40,7 @@ def _fraction(value: float) -> bool:
 def test_gpu_check_tiny_on_cpu(tmp_path: Path):
     out = tmp_path / "gpu_check.json"
     # One thread: on a shared 2-core machine two OpenMP threads mostly wait for each other.
-    proc = _run("gpu_check.py", "--device", "cpu", "--tiny", "--threads", "1", "--out", str(out))
+    proc = _run("gpu_check", "--device", "cpu", "--tiny", "--threads", "1", "--out", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     sections = report["sections"]
@@ -121,7 +120,7 @@ def test_pipeline_benchmark_tiny(tmp_path: Path):
     target = make_tiny_target(tmp_path / "target", layers=3)
     data = make_chat_jsonl(tmp_path / "chat.jsonl", num=24)
     out = tmp_path / "pipeline.json"
-    proc = _run("pipeline.py", "--target", str(target), "--data", str(data), "--cache-dir",
+    proc = _run("pipeline", "--target", str(target), "--data", str(data), "--cache-dir",
                 str(tmp_path / "cache"), "--steps", "3", "--warmup", "1", "--threads", "1/1",
                 "--sequential-threads", "1", "--out", str(out), "--set",
                 "data.max_length=256", "data.heldout_samples=0", "data.max_samples=null",
@@ -146,7 +145,7 @@ def test_pipeline_benchmark_tiny(tmp_path: Path):
 
 @pytest.mark.slow
 def test_attention_benchmark_compares_both_modes_at_small_shapes():
-    proc = _run("attention_cpu.py", "--anchors", "4", "--seq-len", "64", "--repeats", "1")
+    proc = _run("attention_cpu", "--anchors", "4", "--seq-len", "64", "--repeats", "1")
     assert proc.returncode == 0, proc.stderr
     header, row = proc.stdout.strip().splitlines()
     assert header.split()[0] == "anchors"

@@ -36,7 +36,7 @@ def test_values_in_order_then_end_repeatedly():
     for i in range(3):
         ch.put(i)
     ch.finish()
-    assert ch.qsize() == 3 and ch.capacity == 4 and ch.ended
+    assert ch.qsize() == 3 and ch.capacity == 4
     assert list(ch) == [0, 1, 2]
     assert ch.get() is END and ch.get() is END
 

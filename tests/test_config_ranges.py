@@ -67,6 +67,8 @@ def _roomy(key: str) -> dict[str, str]:
         room["model.block_size"] = "256"
     if key == "pipeline.tokens_per_batch":
         room["data.max_length"] = "3"
+    if key in ("model.selector_rank", "model.selector_top_k", "model.conv_group_size"):
+        room["model.variant"] = "dflash2"  # DFlash2 options are refused with model.variant=dflash
     return {k: v for k, v in room.items() if k != key}
 
 

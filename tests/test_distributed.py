@@ -1,7 +1,7 @@
 """Distributed training on CPU with 2 gloo ranks.
 
 - Module level (2 processes from torch.multiprocessing): at one optimizer step of the real
-  DFlashObjective + wrap_drafter (DDP and FSDP2) + DrafterTrainLoop, with each rank holding
+  DFlashObjective + wrap_drafter (DDP and FSDP2) + DrafterStep, with each rank holding
   one batch (or two accumulated micro-batches), the optimizer sees the gradients of one
   process holding both ranks' batches; FSDP2 full state round-trips; an FSDP2-sharded target
   gives the same features.
@@ -34,8 +34,9 @@ from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash_trainer import components
+from dflash_trainer.model.batch import Batch, StepInput
 from dflash_trainer.pipeline import pipeline as pipeline_module
-from dflash_trainer.train import Trainer
+from dflash_trainer.train import Trainer, any_rank
 from dflash_trainer.config import (DistributedConfig, ModelConfig, PipelineConfig, TrainingConfig,
                                    load_config)
 from dflash_trainer.data.buckets import Plan, Step, build_plan
@@ -48,10 +49,9 @@ from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.model.objective import DFlashObjective
 from dflash_trainer.model.target import FeatureExtractor, TargetOutputs
 from dflash_trainer.optim import LRSchedule, build_optimizer
-from dflash_trainer.pipeline.batch import Batch, StepInput
 from dflash_trainer.pipeline.metrics import combine
 from dflash_trainer.pipeline.prefetch import BatchPrefetcher
-from dflash_trainer.pipeline.train_loop import DrafterTrainLoop
+from dflash_trainer.pipeline.drafter_step import DrafterStep
 from helpers_e2e import make_chat_jsonl, make_tiny_target
 
 WORLD = 2
@@ -155,7 +155,7 @@ def one_step(target: LlamaForCausalLM, micro_batches: list[StepInput], info: Dis
             grads[names[id(p)]] = replicated_full(p.grad).clone()
 
     optimizer.register_step_pre_hook(capture)
-    loop = DrafterTrainLoop(objective=objective, parameters=params, optimizer=optimizer,
+    loop = DrafterStep(objective=objective, parameters=params, optimizer=optimizer,
                             schedule=LRSchedule(optimizer, total_steps=10, cfg=cfg), cfg=cfg,
                             dist_info=info, block_size=BLOCK, autocast_dtype=None)
     for item in micro_batches:
@@ -194,6 +194,8 @@ def _module_worker(rank: int, port: int, out: str) -> None:
         if name == "fsdp":
             results["fsdp_roundtrip"] = fsdp_roundtrip(target, mine[0], info)
     results["target_fsdp_max_diff"] = sharded_target_diff(target, items[rank].batch, info)
+    # The trainer's step decisions: rank 1 alone saw a stop, rank 0 alone is due a checkpoint.
+    results["any_rank"] = any_rank([rank == 1, rank == 0, False], info)
     # Beside the default group, the one wrap_target makes for the sharded target.
     world = torch.distributed.group.WORLD
     groups = [weakref.ref(pg) for pg in distributed_c10d._world.pg_names if pg is not world]
@@ -344,6 +346,11 @@ def test_gradient_accumulation_across_ranks(module_results, wrap):
     items = make_batches(tiny_target(), [1, 2])
     want = single_process([union(items[0:2]), union(items[2:4])], grad_accum=2)
     assert_same_gradients(module_results[f"{wrap}_accum"], want)
+
+
+@pytest.mark.slow
+def test_one_all_reduce_agrees_on_what_any_rank_decided(module_results):
+    assert module_results["any_rank"] == [True, True, False]
 
 
 @pytest.mark.slow
@@ -511,9 +518,9 @@ class UnionPrefetcher(BatchPrefetcher):
     """Each step's batch is rank 0's batch of the 2-rank plan stacked on rank 1's, each
     collated exactly as that rank would (same rows, same anchor generator)."""
 
-    def __init__(self, dataset, plan, **kwargs) -> None:
-        super().__init__(dataset, plan, **kwargs)
-        self._ranks = [BatchPrefetcher(dataset, plan, **{**kwargs, "rank": r})
+    def __init__(self, dataset, plans, options, **kwargs) -> None:
+        super().__init__(dataset, plans, options, **kwargs)
+        self._ranks = [BatchPrefetcher(dataset, plans, dataclasses.replace(options, rank=r), **kwargs)
                        for r in range(WORLD)]
         self._two_rank: dict[int, Plan] = {}
 
@@ -588,12 +595,17 @@ def test_two_ranks_match_one_rank_on_the_union(ddp_run, assets_dir, monkeypatch)
 
 @pytest.mark.slow
 def test_resume_with_two_ranks_reproduces_the_run(ddp_run, assets_dir):
+    # Rank 0's clock makes every step due a checkpoint: the ranks agree on it (or the
+    # snapshot's collectives would hang), and checkpoints change nothing the run computes.
     resumed = torchrun(assets_dir, assets_dir / "resumed",
-                       f"checkpoint.resume={ddp_run / 'checkpoints' / 'step-3'}")
+                       f"checkpoint.resume={ddp_run / 'checkpoints' / 'step-3'}",
+                       "checkpoint.every_minutes=1e-9")
     want = {s: v for s, v in per_step(ddp_run, "train/loss").items() if s > 3}
     got = per_step(resumed, "train/loss")
     assert list(got) == list(want) == [4, 5, 6, 7, 8]
     assert got == want, "bitwise: same data, anchors, RNG and optimizer state"
+    saved = {p.name for p in (resumed / "checkpoints").iterdir() if p.is_dir()}
+    assert {f"step-{s}" for s in range(4, 9)} <= saved
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from dflash_trainer.config import ModelConfig
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.model.blocks import build_block_inputs, dense_block_mask, position_ids, sample_anchors
 from dflash_trainer.model.drafter import (SIGNATURE_KEY, build_drafter, build_drafter_config, check_compatible,
-                                          default_target_layer_ids, init_from_target, tokenizer_signature)
+                                          default_target_layer_ids, init_from_last_layers, tokenizer_signature)
 from dflash_trainer.model.modeling import dflash as dflash_module
 from dflash_trainer.model.objective import DFlashObjective
 from dflash_trainer.model.target import FeatureExtractor
@@ -87,11 +87,11 @@ def test_heads_that_do_not_divide_the_kv_heads_name_both_keys():
         build_drafter_config(ModelConfig(num_key_value_heads=3), tiny_llama(), mask_token_id=1)
 
 
-def test_init_from_target_with_more_layers_than_the_target_is_a_config_error():
+def test_last_layers_init_with_more_layers_than_the_target_is_a_config_error():
     target = LlamaForCausalLM(tiny_llama(num_hidden_layers=2))
     drafter = build_drafter(ModelConfig(num_layers=3, target_layer_ids=[0]), target.config, mask_token_id=1)
     with pytest.raises(ConfigError, match=r"drafter has 3 layers \(model.num_layers\) and the target only 2"):
-        init_from_target(drafter, target)
+        init_from_last_layers(drafter, target)
 
 
 @pytest.fixture(scope="module")
@@ -284,11 +284,11 @@ def test_spec_generate_sampling_runs_and_stays_in_vocab():
     assert out.shape == (1, 20) and int(out.max()) < V
 
 
-def test_init_from_target_copies_matching_layers():
+def test_last_layers_init_copies_matching_layers():
     torch.manual_seed(0)
     target = LlamaForCausalLM(tiny_llama())
     drafter = build_drafter(ModelConfig(num_layers=2, target_layer_ids=[0, 1]), target.config, mask_token_id=1)
-    copied = init_from_target(drafter, target)
+    copied = init_from_last_layers(drafter, target)
     assert "layers.1.self_attn.q_proj.weight" in copied and "layers.0.mlp.down_proj.weight" in copied
     assert not any("q_norm" in name for name in copied)  # Llama has no QK-norm
     assert torch.equal(drafter.layers[1].self_attn.q_proj.weight, target.model.layers[3].self_attn.q_proj.weight)

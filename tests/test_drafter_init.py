@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_trainer.config import ModelConfig, load_config
+from dflash_trainer.checkpoint import ResumeError
+from dflash_trainer.config import ModelConfig, config_to_dict, load_config, upgrade_saved_config
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.model.drafter import (
     FINAL_NORM_SCALE,
@@ -14,6 +15,7 @@ from dflash_trainer.model.drafter import (
     init_drafter_from_target,
     initialise_drafter,
 )
+from dflash_trainer.train import check_resume_compatible
 
 SIZES = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 128, "vocab_size": 256}
@@ -140,11 +142,35 @@ def test_context_values_identical_and_keys_head_normalised_llama():
     assert torch.allclose(our_k, normalised, atol=1e-5)
 
 
-def test_refused_without_a_next_layer_and_with_init_from_target():
+def test_refused_without_a_next_layer_and_the_replaced_key_says_what_to_write():
     with pytest.raises(ConfigError, match="target layers 3..4"):
         drafter_for(llama(), [2], num_layers=2)
-    with pytest.raises(ConfigError, match="set only one"):
-        load_config(None, ["model.init_from_target=true", "model.drafter_init=target"])
+    with pytest.raises(ConfigError, match=r"model.init_from_target=True was replaced by "
+                                          r"model.drafter_init: write model.drafter_init=last_layers"):
+        load_config(None, ["model.init_from_target=true"])
+    # What every earlier run's config.yaml holds still loads, and means a random init.
+    assert load_config(None, ["model.init_from_target=false"]).model.drafter_init == "random"
+    assert load_config(None, ["model.drafter_init=last_layers"]).model.drafter_init == "last_layers"
+
+
+def test_a_checkpoint_saved_with_the_replaced_key_resumes_under_the_new_one():
+    for old, now in ((False, "random"), (True, "last_layers")):
+        saved = config_to_dict(load_config(None))
+        saved["model"]["init_from_target"] = old
+        current = config_to_dict(load_config(None, [f"model.drafter_init={now}"]))
+        check_resume_compatible(upgrade_saved_config(saved), current, saved_world=1, world=1)
+        with pytest.raises(ResumeError, match=r"cannot resume: model\.(drafter_init|init_from_target)"):
+            check_resume_compatible(saved, current, saved_world=1, world=1)
+
+
+def test_last_layers_copies_the_targets_last_layers():
+    target = llama()
+    cfg = ModelConfig(num_layers=1, block_size=4, target_layer_ids=[1], drafter_init="last_layers")
+    drafter = build_drafter(cfg, target.config, mask_token_id=3)
+    copied = initialise_drafter(drafter, target, cfg)
+    assert "layers.0.mlp.up_proj.weight" in copied and "fc.weight" not in copied
+    assert torch.equal(drafter.layers[0].mlp.up_proj.weight,
+                       target.model.layers[-1].mlp.up_proj.weight)
 
 
 def test_random_init_copies_nothing():

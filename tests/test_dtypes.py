@@ -125,11 +125,11 @@ def test_trainer_honours_the_cached_choice(tiny_setup, tmp_path: Path, monkeypat
         dtype = DTYPES[choice]
         assert trainer.compute_dtype is dtype
         assert trainer.target.get_input_embeddings().weight.dtype is dtype
-        assert trainer.loop.autocast_dtype is (torch.bfloat16 if choice == "bfloat16" else None)
+        assert trainer.drafter_step.autocast_dtype is (torch.bfloat16 if choice == "bfloat16" else None)
         ids = torch.randint(0, 100, (1, 16))
         features = trainer.parts.extractor(ids).features
         assert features.dtype is dtype
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=trainer.loop.autocast_dtype is not None):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=trainer.drafter_step.autocast_dtype is not None):
             context = trainer.drafter.fc(features.float())
         assert context.dtype is dtype
     finally:

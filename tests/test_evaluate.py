@@ -16,9 +16,10 @@ from torch.nn import functional as F
 from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaForCausalLM
 
 from dflash_trainer.config import ModelConfig, load_config
+from dflash_trainer.data.tokenize import render_prompt
 from dflash_trainer.errors import CheckpointError
 from dflash_trainer.evaluate import (EvalError, EvalPrompt, EvalReport, InTrainingEval, print_summary,
-                                     read_prompt_file, render_prompt, request_result, summarize, write_results)
+                                     read_prompt_file, request_result, summarize, write_results)
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.model.export import export_drafter
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel

@@ -1,30 +1,16 @@
-"""benchmarks/interleave.py at tiny shapes: both orders through the real trainer, same start,
+"""benchmarks.interleave at tiny shapes: both orders through the real trainer, same start,
 same batches in another order, every reported figure present, the JSON and the PNG written."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from benchmarks import interleave as bench
 from helpers_e2e import make_chat_jsonl, make_tiny_target
-
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "interleave.py"
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("interleave_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
 
 
 def test_curve_stats_on_known_curves():

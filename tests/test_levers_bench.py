@@ -1,18 +1,14 @@
-"""benchmarks/levers.py end to end at tiny shapes: cache the target once, train two variants, print the table."""
+"""benchmarks.levers end to end at tiny shapes: cache the target once, train two variants, print the table."""
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks import levers
 from helpers_e2e import make_chat_jsonl, make_tiny_target
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import levers  # noqa: E402
 
 
 @pytest.mark.slow

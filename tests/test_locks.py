@@ -237,7 +237,8 @@ def test_a_disk_error_without_a_file_name_names_the_commands_folder(tmp_path: Pa
     import argparse
     import errno
 
-    from dflash_trainer.cli import disk_error, output_folder
+    from dflash_trainer.cli import output_folder
+    from dflash_trainer.fsutil import disk_error
     from dflash_trainer.config import load_config
 
     assert disk_error(RuntimeError("a bug"), folder=tmp_path / "run") is None

@@ -8,12 +8,11 @@ import pytest
 import torch
 
 from dflash_trainer.config import PipelineConfig
-from dflash_trainer.data.buckets import Plan, build_plan
-from dflash_trainer.model.blocks import sample_anchors
-from dflash_trainer.pipeline.batch import Batch
+from dflash_trainer.data.buckets import build_plan
+from dflash_trainer.model.batch import Batch
 from dflash_trainer.pipeline.channel import Channel
 from dflash_trainer.pipeline.metrics import combine
-from dflash_trainer.pipeline.prefetch import BatchPrefetcher
+from dflash_trainer.pipeline.prefetch import BatchPrefetcher, PrefetchOptions
 from dflash_trainer.pipeline.stage import Supervisor
 
 BLOCK = 4
@@ -41,22 +40,6 @@ class ArrayDataset:
         return self.tokens[i], self.masks[i]
 
 
-def random_anchors(loss_mask: torch.Tensor, num_anchors: int, block_size: int,
-                   generator: torch.Generator, *,
-                   seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Up to ``num_anchors`` distinct supervised positions per row whose block fits the row."""
-    rows, width = loss_mask.shape
-    lens = seq_lens if seq_lens is not None else torch.full((rows,), width)
-    valid = loss_mask & (torch.arange(width) <= (lens[:, None] - block_size))
-    scores = torch.rand(rows, width, generator=generator).masked_fill(~valid, -1.0)
-    k = min(num_anchors, width)
-    top = scores.topk(k, dim=1)
-    anchors = torch.zeros(rows, num_anchors, dtype=torch.long)
-    keep = torch.zeros(rows, num_anchors, dtype=torch.bool)
-    anchors[:, :k], keep[:, :k] = top.indices, top.values >= 0
-    return anchors, keep
-
-
 LENGTHS = np.random.default_rng(7).integers(8, 200, 160)
 CFG = PipelineConfig(num_buckets=4, tokens_per_batch=400, max_run=2)
 
@@ -65,13 +48,14 @@ def plan_for(world_size: int = 1, lengths: np.ndarray = LENGTHS):
     return lambda epoch: build_plan(lengths, CFG, seed=11, epoch=epoch, world_size=world_size)
 
 
-def make(dataset, plan, *, consumers: int = 1, workers: int = 2, rank: int = 0, capacity: int = 2,
-         stop: threading.Event | None = None, **kwargs):
+def make(dataset, plans, *, consumers: int = 1, workers: int = 2, rank: int = 0, capacity: int = 2,
+         stop: threading.Event | None = None, epochs: int = 1, **options):
     stop = stop or threading.Event()
     channels = [Channel(f"batches{c}", capacity, stop) for c in range(consumers)]
-    pre = BatchPrefetcher(dataset, plan, rank=rank, num_workers=workers, out_channels=channels,
-                          sample_anchors=random_anchors, num_anchors=ANCHORS, block_size=BLOCK,
-                          seed=5, pin_memory=False, stop=stop, **kwargs)
+    pre = BatchPrefetcher(dataset, plans, PrefetchOptions(rank=rank, num_workers=workers,
+                                                          num_anchors=ANCHORS, block_size=BLOCK,
+                                                          seed=5, epochs=epochs, **options),
+                          outputs=channels, stop=stop)
     return pre, channels
 
 
@@ -134,7 +118,7 @@ def test_every_sample_once_per_epoch_across_ranks():
 
 def test_collated_batch_matches_the_dataset_and_pads_with_masks_off():
     dataset = ArrayDataset(LENGTHS)
-    pre, channels = make(dataset, plan_for()(0))
+    pre, channels = make(dataset, plan_for())
     pre.start()
     batches = drain(channels)[0]
     pre.close()
@@ -149,16 +133,17 @@ def test_collated_batch_matches_the_dataset_and_pads_with_masks_off():
             assert not batch.input_ids[r, n:].any() and not batch.loss_mask[r, n:].any()
             assert batch.attention_mask[r, :n].all() and not batch.attention_mask[r, n:].any()
         assert batch.num_tokens == int(batch.seq_lens.sum())
-        assert batch.anchors.shape == (rows, ANCHORS) and batch.keep.dtype == torch.bool
+        assert batch.anchors.shape[0] == rows and 1 <= batch.anchors.shape[1] <= ANCHORS
+        assert batch.keep.dtype == torch.bool and batch.keep.any(dim=1).all()
         picked = batch.loss_mask.gather(1, batch.anchors)
         assert picked[batch.keep].all()
-        block_end = batch.anchors + BLOCK
-        assert (block_end <= batch.seq_lens[:, None])[batch.keep].all()
+        # Every anchor and its first label inside the row's real tokens.
+        assert (batch.anchors + 1 < batch.seq_lens[:, None])[batch.keep].all()
 
 
 def test_anchors_do_not_depend_on_worker_count():
     def run(workers):
-        pre, channels = make(ArrayDataset(LENGTHS), plan_for()(0), workers=workers)
+        pre, channels = make(ArrayDataset(LENGTHS), plan_for(), workers=workers)
         pre.start()
         batches = drain(channels)[0]
         pre.close()
@@ -168,17 +153,6 @@ def test_anchors_do_not_depend_on_worker_count():
     assert len(one) == len(four)
     for a, b in zip(one, four):
         assert torch.equal(a.anchors, b.anchors) and torch.equal(a.keep, b.keep)
-
-
-def test_start_step_yields_exactly_the_remaining_steps():
-    plan_fn = plan_for()
-    k = 7
-    pre, channels = make(ArrayDataset(LENGTHS), plan_fn, epochs=2, start_step=k)
-    pre.start()
-    batches = drain(channels)[0]
-    pre.close()
-    assert [(b.epoch, b.step, b.sample_ids.tolist()) for b in batches] == expected(plan_fn, 2)[k:]
-    assert batches[0].stream_index == k
 
 
 def test_resume_from_acknowledged_position_reproduces_in_flight_batches():
@@ -249,7 +223,7 @@ def test_worker_error_propagates_with_every_thread_joined():
     plan = plan_for()(0)
     bad = int(plan.steps[5].batches[0][0])
     stop = threading.Event()
-    pre, channels = make(ArrayDataset(LENGTHS, fail_at=bad), plan, workers=3, stop=stop)
+    pre, channels = make(ArrayDataset(LENGTHS, fail_at=bad), plan_for(), workers=3, stop=stop)
     start = time.monotonic()
     with pytest.raises(OSError, match=f"corrupt record {bad}") as info:
         with Supervisor(stop) as sup:
@@ -265,7 +239,7 @@ def test_worker_error_propagates_with_every_thread_joined():
 def test_workers_cannot_run_unboundedly_ahead_of_a_slow_consumer():
     plan = plan_for()(0)
     dataset = ArrayDataset(LENGTHS)
-    pre, channels = make(dataset, plan, workers=4, capacity=2, reorder_window=3)
+    pre, channels = make(dataset, plan_for(), workers=4, capacity=2, reorder_window=3)
     pre.start()
     time.sleep(0.5)  # nobody consumes
     step_of = {int(i): s for s, step in enumerate(plan.steps) for i in step.batches[0]}
@@ -279,7 +253,7 @@ def test_workers_cannot_run_unboundedly_ahead_of_a_slow_consumer():
 
 def test_metrics_count_dispatched_and_trained_batches():
     plan = plan_for()(0)
-    pre, channels = make(ArrayDataset(LENGTHS), plan)
+    pre, channels = make(ArrayDataset(LENGTHS), plan_for())
     pre.start()
     batches = drain(channels)[0]
     pre.close()
@@ -308,32 +282,13 @@ def test_pin_memory_without_cuda_warns():
     if torch.cuda.is_available():
         pytest.skip("CUDA present: pinning is real there")
     with pytest.warns(UserWarning, match="pin_memory has no effect"):
-        BatchPrefetcher(ArrayDataset(LENGTHS), plan_for()(0), rank=0, num_workers=1,
-                        out_channels=[Channel("b", 1, threading.Event())],
-                        sample_anchors=random_anchors, num_anchors=ANCHORS, block_size=BLOCK,
-                        seed=0, pin_memory=True, stop=threading.Event())
+        make(ArrayDataset(LENGTHS), plan_for(), pin_memory=True)
 
 
-def test_single_plan_or_builder_arguments_are_checked():
-    with pytest.raises(ValueError, match="needs epochs"):
-        make(ArrayDataset(LENGTHS), plan_for())
-    plan: Plan = plan_for()(0)
-    with pytest.raises(ValueError, match="not both"):
-        make(ArrayDataset(LENGTHS), plan, epochs=2)
-
-
-def test_works_with_the_real_anchor_sampler():
+def test_a_plan_builder_that_returns_another_epoch_is_refused():
     stop = threading.Event()
-    channel = Channel("b", 2, stop)
-    pre = BatchPrefetcher(ArrayDataset(LENGTHS), plan_for()(0), rank=0, num_workers=2,
-                          out_channels=[channel], sample_anchors=sample_anchors,
-                          num_anchors=ANCHORS, block_size=BLOCK, seed=0, pin_memory=False,
-                          stop=stop)
-    pre.start()
-    batches = drain([channel])[0]
-    pre.close()
-    assert len(batches) == len(plan_for()(0))
-    for batch in batches:
-        rows = torch.arange(batch.shape[0])[:, None].expand_as(batch.anchors)
-        assert (batch.anchors < batch.seq_lens[:, None])[batch.keep].all()
-        assert batch.loss_mask[rows[batch.keep], batch.anchors[batch.keep]].all()
+    pre, channels = make(ArrayDataset(LENGTHS), lambda epoch: plan_for()(0), epochs=2, stop=stop)
+    with pytest.raises(ValueError, match="returned epoch 0 for epoch 1"), Supervisor(stop) as sup:
+        sup.add(pre)
+        sup.start()
+        list(sup.iterate(channels[0]))

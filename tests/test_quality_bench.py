@@ -1,4 +1,4 @@
-"""benchmarks/quality.py leaves no worker behind when it is stopped."""
+"""benchmarks.quality leaves no worker behind when it is stopped."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import quality
 
-import quality  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 _STUBBORN = ("import signal, sys, time\n"
              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
@@ -20,7 +19,8 @@ _SLEEPER = "import time\nprint('ready', flush=True)\ntime.sleep(60)\n"
 
 
 def _started(code: str) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    # From the repository root, where ``python -c`` finds the benchmarks package.
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert proc.stdout.readline().strip() == "ready"
     return proc
 
@@ -42,8 +42,8 @@ def test_stop_worker_lets_a_worker_exit_on_sigterm():
 def test_a_stopped_parent_stops_its_worker(tmp_path: Path):
     pid_file = tmp_path / "worker.pid"
     parent = (f"import subprocess, sys\n"
-              f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
-              f"import quality, signal\n"
+              f"from benchmarks import quality\n"
+              f"import signal\n"
               f"signal.signal(signal.SIGTERM, quality._raise_on_sigterm)\n"
               f"with quality.worker_process([sys.executable, '-c', {_SLEEPER!r}], stdout=subprocess.PIPE) as proc:\n"
               f"    proc.stdout.readline()\n"

@@ -110,3 +110,7 @@ def test_serve_check_reports_llama_cpp_side_by_side(tmp_path):
     assert "outputs identical with and without the drafter: 1/2 (1 differing at a near-tie" in table
     assert "near-tie: engine rounding" in table
     assert "speedup 1.20x" in table and "pays from tau 1.25" in table
+    costs = {row["engine"]: row for row in serve_check.cost_rows(result)}
+    assert costs["llama.cpp"]["break_even_tau"] == pytest.approx(1.25)
+    assert costs["project loop (transformers)"]["break_even_tau"] is None  # no project eval here
+    assert "where the time goes" in table

@@ -336,7 +336,7 @@ def _command_cases(setup: dict[str, Path], run: dict[str, Path], d: Path) -> dic
                         "--max-new-tokens", "4", "--limit", "2", *target],
                        (_MODEL, "block"), [d]),
         "demo": (["demo", *overrides(setup, d / "run"), *eval_args],
-                 ("dflash_trainer.pipeline.train_loop:DrafterTrainLoop.train_micro_batch", "slow"),
+                 ("dflash_trainer.pipeline.drafter_step:DrafterStep.train_micro_batch", "slow"),
                  [d / "run", d / "run" / "checkpoints"]),
         "report": (["report", str(run["run"])], ("matplotlib.figure:Figure.savefig", "block"),
                    [run["run"], run["run"] / "report"]),

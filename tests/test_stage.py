@@ -87,24 +87,6 @@ def test_stage_error_is_reraised_on_main_thread_with_original_traceback():
     assert not _stage_threads()
 
 
-def test_wait_reraises_when_nobody_consumes_on_the_main_thread():
-    sup, out = _pipeline(fail_at=3, count=None)
-
-    class Sink(Stage):
-        def run(self) -> None:
-            for _ in out:
-                pass
-
-    sup.add(Sink("sink", stop=sup.stop))
-    start = time.monotonic()
-    with pytest.raises(ZeroDivisionError):
-        with sup:
-            sup.start()
-            sup.wait(timeout_s=10)
-    assert time.monotonic() - start < 10
-    assert not [t for t in threading.enumerate() if t.name == "sink"] and not _stage_threads()
-
-
 def test_check_reraises_promptly_between_steps():
     sup, _ = _pipeline(fail_at=0, count=None)
     with pytest.raises(ZeroDivisionError):

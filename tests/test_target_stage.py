@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from dflash_trainer.model.batch import Batch, StepInput
 from dflash_trainer.model.target import FeatureExtractor
-from dflash_trainer.pipeline.batch import Batch, StepInput
 from dflash_trainer.pipeline.channel import Channel
 from dflash_trainer.pipeline.metrics import Sum
 from dflash_trainer.pipeline.stage import Supervisor

@@ -15,7 +15,7 @@ import pytest
 from dflash_trainer import components
 from dflash_trainer.config import load_config
 from dflash_trainer.data.buckets import Plan
-from dflash_trainer.pipeline.train_loop import NonFiniteError
+from dflash_trainer.pipeline.drafter_step import NonFiniteError
 from dflash_trainer.train import Trainer
 from helpers_e2e import make_chat_jsonl, make_tiny_target, tiny_run_overrides
 
@@ -55,7 +55,7 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
 def test_max_time_s_stops_after_the_first_step_with_a_final_checkpoint(setup, tmp_path):
     trainer, records = run(overrides(setup, tmp_path / "run", "training.max_time_s=1e-6"))
     assert trainer.stopped_by == "max_time_s"
-    assert trainer.loop.optimizer_step == 1 < trainer.total_steps
+    assert trainer.drafter_step.optimizer_step == 1 < trainer.total_steps
     assert records[-1]["step"] == 1
     assert checkpoint_steps(tmp_path / "run") == [1]
     assert (tmp_path / "run" / "drafter" / "model.safetensors").is_file()
@@ -86,7 +86,7 @@ def test_repeated_non_finite_steps_raise(setup, tmp_path):
     try:
         with pytest.raises(NonFiniteError, match="consecutive optimizer steps had a non-finite"):
             trainer.train()
-        assert trainer.loop.optimizer_step <= 4
+        assert trainer.drafter_step.optimizer_step <= 4
     finally:
         trainer.close()
 
@@ -106,12 +106,12 @@ def test_grad_accum_steps_once_per_two_micro_batches(setup, tmp_path):
     plans = trainer.parts.plans
     micro = plans.num_steps(0) + plans.num_steps(1)
     assert trainer.total_steps == micro // 2
-    assert trainer.loop.optimizer_step == trainer.total_steps
-    assert trainer.loop.micro_step == 2 * trainer.total_steps
+    assert trainer.drafter_step.optimizer_step == trainer.total_steps
+    assert trainer.drafter_step.micro_step == 2 * trainer.total_steps
     assert [r["step"] for r in records if "train/loss" in r] == list(
         range(1, trainer.total_steps + 1))
     tokens = sum(int(trainer.parts.data.lengths[ids].sum()) for e in range(2)
-                 for s in plans(e).steps[:trainer.loop.micro_step - e * plans.num_steps(0)]
+                 for s in plans(e).steps[:trainer.drafter_step.micro_step - e * plans.num_steps(0)]
                  for ids in s.batches)
     assert records[-1]["train/tokens_total"] == tokens
 
@@ -159,5 +159,5 @@ def test_total_steps_follow_each_epochs_own_plan(setup, tmp_path, monkeypatch):
     assert trainer.total_steps == first + 3
     # The schedule ends where the data ends: every planned step trained, the LR at zero.
     assert trainer.stopped_by == "completed"
-    assert trainer.loop.optimizer_step == trainer.loop.schedule.total_steps == first + 3
+    assert trainer.drafter_step.optimizer_step == trainer.drafter_step.schedule.total_steps == first + 3
     assert records[-1]["train/lr"] == pytest.approx(0.0, abs=1e-12)

@@ -45,7 +45,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_cpp_build import BuildError, default_folder  # noqa: E402
-from serve_llama_cpp import LlamaCppOptions, run_llama_cpp  # noqa: E402
+from serve_llama_cpp import LlamaCppOptions, cost_model, run_llama_cpp  # noqa: E402
 from vllm_env import VLLM_PIN, InstallError, ensure_venv  # noqa: E402
 from vllm_server import (Completion, ServerError, SpecCounters, VllmServer, chat,  # noqa: E402
                          fetch_counters, free_port, server_command)
@@ -384,13 +384,55 @@ def _f(value: float | None, spec: str = ".3f") -> str:
 
 
 def format_report(result: dict[str, Any]) -> str:
-    """The tables of a serve-check run, one per engine (plain text, also pasted into docs/serving.md)."""
+    """The tables of a serve-check run, one per engine, then where the time goes (plain text,
+    also pasted into docs/serving.md)."""
     parts = []
     if "llama_cpp" in result:
         parts.append(format_llama_cpp(result))
     if "prompts" in result:
         parts.append(format_vllm(result))
+    parts.append(format_costs(cost_rows(result)))
     return "\n\n".join(parts)
+
+
+def cost_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per engine: tokens/s plain and with the drafter, tokens per verify step, and the cost of
+    one speculative step in plain decode steps, ``tau * plain / speculative`` (for llama.cpp
+    the servers' own step clocks), from which the break-even tau and the tau for 1.3x and 2x follow."""
+    rows = []
+
+    def add(engine: str, plain: float | None, spec: float | None, tau: float | None, note: str) -> None:
+        ratio = tau * plain / spec if plain and spec and tau else None
+        rows.append({"engine": engine, "plain_tokens_per_s": plain, "drafter_tokens_per_s": spec, "tau": tau,
+                     "step_cost_ratio": ratio, "note": note,
+                     **{k: v for k, v in cost_model(None if ratio is None else 1.0, ratio).items()
+                        if k != "step_cost_ratio"}})
+
+    project = result["project_acceptance"]
+    add("project loop (transformers)", project.get("target_tokens_per_s"), project.get("spec_tokens_per_s"),
+        project.get("pooled_tau"), "decode only, paired per prompt")
+    if "prompts" in result:
+        add("vLLM", result["plain"]["tokens_per_s"], result["drafter"]["tokens_per_s"],
+            result["vllm_acceptance"]["mean_acceptance_length"], "prefill included, one server at a time")
+    if "llama_cpp" in result:
+        lc = result["llama_cpp"]
+        rows.append({"engine": "llama.cpp", "plain_tokens_per_s": lc["plain_tokens_per_s"],
+                     "drafter_tokens_per_s": lc["drafter_tokens_per_s"], "tau": lc["acceptance"]["pooled_tau"],
+                     "note": "server decode clocks, alternating pairs", **lc["cost"]})
+    return rows
+
+
+def format_costs(rows: Sequence[dict[str, Any]]) -> str:
+    """Where the time goes: one row per engine."""
+    lines = ["where the time goes (one speculative step = draft + verify, in plain decode steps):",
+             f"{'engine':<28} {'plain tok/s':>11} {'drafter tok/s':>13} {'tau':>6} {'step cost':>9} "
+             f"{'break-even':>10} {'1.3x at':>8} {'2x at':>6}  measured"]
+    for r in rows:
+        lines.append(f"{r['engine']:<28} {_f(r['plain_tokens_per_s'], '.1f'):>11} "
+                     f"{_f(r['drafter_tokens_per_s'], '.1f'):>13} {_f(r['tau'], '.2f'):>6} "
+                     f"{_f(r['step_cost_ratio'], '.2f'):>9} {_f(r['break_even_tau'], '.2f'):>10} "
+                     f"{_f(r['tau_for_1.3x'], '.2f'):>8} {_f(r['tau_for_2x'], '.2f'):>6}  {r['note']}")
+    return "\n".join(lines)
 
 
 def format_llama_cpp(result: dict[str, Any]) -> str:
@@ -580,6 +622,7 @@ def run(args: argparse.Namespace) -> int:
     result = build_result(args, target_dir, drafter, source, prompts, served, report, regen, num_draft=num_draft)
     if llama is not None:
         result["llama_cpp"] = llama
+    result["costs"] = cost_rows(result)
     (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     print(format_report(result), flush=True)
     log(f"serve-check: wrote {out_dir / 'result.json'}")

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from dflash_trainer.config import (COUNT_MAX, DURATION_MAX_S, Config, ConfigError, Range, check_text,
                                    describe_options, load_config, option_ranges)
-from dflash_trainer.errors import EXIT_RUNTIME, DiskError, UserError
-from dflash_trainer.fsutil import DISK_FIX, disk_error_for, disk_oserror
+from dflash_trainer.errors import EXIT_RUNTIME, UserError
+from dflash_trainer.fsutil import disk_error
 from dflash_trainer.interrupts import report_interrupt, signal_of, stop_signals_raise
 
 
@@ -227,21 +227,6 @@ def check_flags(cmd: Command, args: argparse.Namespace) -> None:
 def _resolve(handler: str) -> Callable[[Config, argparse.Namespace], int | None]:
     module, _, func = handler.partition(":")
     return getattr(importlib.import_module(module), func)
-
-
-def disk_error(exc: BaseException, *, folder: str | os.PathLike[str] | None = None
-               ) -> DiskError | None:
-    """The :class:`DiskError` behind ``exc`` (itself, or an ``OSError`` of a full, read-only or
-    unwritable disk anywhere in its cause/context chain), or None. It names the file of the
-    ``OSError``, else ``folder`` (the folder the command writes into)."""
-    if isinstance(exc, DiskError):
-        return exc
-    error = disk_oserror(exc)
-    if error is None:
-        return None
-    where = error.filename or (f"into {folder}" if folder is not None else "the output folder")
-    return disk_error_for(where, error,
-                          fix=f"{DISK_FIX} (run_dir, --out, data.cache_dir)")
 
 
 def output_folder(command: str, cfg: Config, args: argparse.Namespace) -> str:

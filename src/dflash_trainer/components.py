@@ -1,9 +1,10 @@
-"""The one assembly of a training run: target -> data -> mask id -> drafter -> feature extractor
--> objective -> optimizer and schedule -> train loop.
+"""The one assembly of a training run: target -> data -> mask id -> plans -> drafter -> feature
+extractor -> objective -> optimizer and schedule -> drafter step.
 
-:func:`build` is used by ``train``, ``demo`` and every benchmark, so what they run is what the
-trainer runs. Runtime objects that replace a part (a random target, synthetic data) are passed
-in, never put into the config.
+:func:`build` is used by ``train``, ``demo`` and the benchmarks, so what they run is what the
+trainer runs; :func:`build_drafter_step` is its drafter side alone, for a benchmark that
+trains on target outputs it computed before (``benchmarks/levers.py``). Runtime objects that
+replace a part (a random target, synthetic data) are passed in, never put into the config.
 """
 
 from __future__ import annotations
@@ -25,15 +26,16 @@ from dflash_trainer.distributed import DistInfo, target_load_device, wrap_drafte
 from dflash_trainer.dtypes import config_dtype
 from dflash_trainer.errors import ConfigError, DataError
 from dflash_trainer.flops import StepShape, layer_dims, step_flops
+from dflash_trainer.model.batch import Batch
 from dflash_trainer.model.drafter import build_drafter, initialise_drafter, text_config
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
 from dflash_trainer.model.objective import DFlashObjective
 from dflash_trainer.model.target import FeatureExtractor, load_target, resolve_mask_token_id
 from dflash_trainer.optim import LRSchedule, build_optimizer
-from dflash_trainer.pipeline.batch import Batch
-from dflash_trainer.pipeline.train_loop import DrafterTrainLoop
+from dflash_trainer.pipeline.drafter_step import DrafterStep
 
-__all__ = ["PEAK_BF16_FLOPS", "Components", "EpochPlans", "TrainingData", "build", "peak_flops"]
+__all__ = ["PEAK_BF16_FLOPS", "Components", "DrafterSide", "EpochPlans", "TrainingData", "build",
+           "build_drafter_step", "peak_flops", "run_mask_token_id"]
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +126,7 @@ class Components:
     """The plain drafter module (inside the objective, which DDP/FSDP wrap)."""
     extractor: FeatureExtractor
     objective: nn.Module
-    loop: DrafterTrainLoop
+    drafter_step: DrafterStep
     total_steps: int
     """Optimizer steps of the run: every epoch's own plan length / grad_accum, capped by
     ``training.max_steps``; the LR schedule ends there."""
@@ -155,7 +157,9 @@ def _load_data(cfg: Config, dist: DistInfo, tokenizer: Any) -> tuple[TrainingDat
     return store, stats
 
 
-def _mask_token_id(cfg: Config, tokenizer: Any, embed_rows: int, data: TrainingData) -> int:
+def run_mask_token_id(cfg: Config, tokenizer: Any, embed_rows: int, data: TrainingData) -> int:
+    """The mask token id of a run: ``model.mask_token_id`` or the tokenizer's rule, never a token
+    of ``data``; a target without a tokenizer needs it explicit."""
     data_ids = data.token_ids().tolist()
     if tokenizer is not None:
         return resolve_mask_token_id(tokenizer, embed_rows, explicit=cfg.model.mask_token_id,
@@ -192,6 +196,52 @@ def _flops_fn(cfg: Config, target: nn.Module, drafter: DFlashDraftModel,
     return batch_flops
 
 
+@dataclass(kw_only=True)
+class DrafterSide:
+    """What :func:`build_drafter_step` assembles around a target."""
+
+    target: nn.Module
+    """The target as the run uses it (FSDP-sharded when ``distributed.target=fsdp``)."""
+    drafter: DFlashDraftModel
+    extractor: FeatureExtractor
+    objective: nn.Module
+    drafter_step: DrafterStep
+
+
+def build_drafter_step(cfg: Config, dist: DistInfo, target: nn.Module, *, mask_token_id: int,
+                       tokenizer: Any, total_steps: int, compute_dtype: torch.dtype) -> DrafterSide:
+    """The trainer's drafter side on ``target``: drafter (built, initialised by
+    ``model.drafter_init``, on the device) -> feature extractor -> objective -> optimizer and an
+    LR schedule of ``total_steps`` -> :class:`DrafterStep`.
+
+    Draws the drafter's initialisation from the global torch RNG: seed it first, as
+    :func:`build` does. The caller closes the extractor (its hooks stay on the target).
+    """
+    device = dist.device
+    # With the tokenizer, the drafter's config (and every export of it) records its fingerprint.
+    drafter = build_drafter(cfg.model, target.config, mask_token_id=mask_token_id, tokenizer=tokenizer)
+    initialise_drafter(drafter, target, cfg.model)
+    drafter = drafter.to(device)
+    # Sharded before the feature hooks are added, so FSDP's hooks run first.
+    target = wrap_target(target, dist, cfg.distributed)
+    extractor = FeatureExtractor(target, drafter.target_layer_ids, labels=cfg.training.labels,
+                                 label_chunk_size=cfg.training.loss_chunk_size)
+    objective = wrap_drafter(
+        DFlashObjective.from_config(drafter, extractor.embed_weight, extractor.head_weight, cfg),
+        dist, cfg.distributed)
+    params = [p for p in objective.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, cfg.training)
+    schedule = LRSchedule(optimizer, total_steps=total_steps, cfg=cfg.training)
+    drafter_step = DrafterStep(
+        objective=objective, parameters=params, optimizer=optimizer, schedule=schedule,
+        cfg=cfg.training, dist_info=dist, block_size=drafter.block_size,
+        autocast_dtype=torch.bfloat16 if compute_dtype == torch.bfloat16 else None,
+        flops_fn=_flops_fn(cfg, target, drafter, extractor.head_weight.shape[0]),
+        peak_flops=peak_flops(device))
+    return DrafterSide(target=target, drafter=drafter, extractor=extractor, objective=objective,
+                       drafter_step=drafter_step)
+
+
 def build(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None, tokenizer: Any = None,
           data: TrainingData | None = None) -> Components:
     """Build every part of a run for ``cfg`` on this rank.
@@ -213,34 +263,18 @@ def build(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None, token
     if data is None:
         data, data_stats = _load_data(cfg, dist, tokenizer)
     embed_rows = target.get_input_embeddings().weight.shape[0]
-    mask_id = _mask_token_id(cfg, tokenizer, embed_rows, data)
-    # With the tokenizer, the drafter's config (and every export of it) records its fingerprint.
-    drafter = build_drafter(cfg.model, target.config, mask_token_id=mask_id, tokenizer=tokenizer)
-    initialise_drafter(drafter, target, cfg.model)
-    drafter = drafter.to(device)
-    # Sharded before the feature hooks are added, so FSDP's hooks run first.
-    target = wrap_target(target, dist, cfg.distributed)
-    extractor = FeatureExtractor(target, drafter.target_layer_ids, labels=cfg.training.labels,
-                                 label_chunk_size=cfg.training.loss_chunk_size)
-    objective = wrap_drafter(
-        DFlashObjective.from_config(drafter, extractor.embed_weight, extractor.head_weight, cfg),
-        dist, cfg.distributed)
-
+    mask_id = run_mask_token_id(cfg, tokenizer, embed_rows, data)
+    # The plans use their own seeded generators: building them here draws nothing from the
+    # global RNG that the drafter's initialisation below uses.
     plans = EpochPlans(data.lengths, cfg, dist.world_size)
     micro_steps = plans.total_steps(cfg.training.epochs)
     total_steps = max(1, micro_steps // cfg.training.grad_accum)
     if cfg.training.max_steps is not None:
         total_steps = min(total_steps, cfg.training.max_steps)
-    params = [p for p in objective.parameters() if p.requires_grad]
-    optimizer = build_optimizer(params, cfg.training)
-    schedule = LRSchedule(optimizer, total_steps=total_steps, cfg=cfg.training)
-    loop = DrafterTrainLoop(
-        objective=objective, parameters=params, optimizer=optimizer, schedule=schedule,
-        cfg=cfg.training, dist_info=dist, block_size=drafter.block_size,
-        autocast_dtype=torch.bfloat16 if dtype == torch.bfloat16 else None,
-        flops_fn=_flops_fn(cfg, target, drafter, extractor.head_weight.shape[0]),
-        peak_flops=peak_flops(device))
-    return Components(cfg=cfg, dist=dist, target=target, tokenizer=tokenizer, data=data,
-                      data_stats=data_stats, plans=plans, drafter=drafter, extractor=extractor,
-                      objective=objective, loop=loop, total_steps=total_steps,
+    side = build_drafter_step(cfg, dist, target, mask_token_id=mask_id, tokenizer=tokenizer,
+                              total_steps=total_steps, compute_dtype=dtype)
+    return Components(cfg=cfg, dist=dist, target=side.target, tokenizer=tokenizer, data=data,
+                      data_stats=data_stats, plans=plans, drafter=side.drafter,
+                      extractor=side.extractor, objective=side.objective,
+                      drafter_step=side.drafter_step, total_steps=total_steps,
                       compute_dtype=dtype)

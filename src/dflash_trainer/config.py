@@ -25,7 +25,7 @@ import yaml
 from dflash_trainer.errors import ConfigError
 
 __all__ = ["COUNT_MAX", "DURATION_MAX_S", "TOKENS_MAX", "Config", "ConfigError", "Range", "check_text",
-           "is_numeric", "load_config", "option_ranges", "ranged", "save_config"]
+           "is_numeric", "load_config", "option_ranges", "ranged", "save_config", "upgrade_saved_config"]
 
 COUNT_MAX = 10**9
 """Upper bound of counts that have no natural one (steps, records, prompts): no run comes near
@@ -169,17 +169,29 @@ class ModelConfig:
     """Compute dtype: ``auto`` is bf16 autocast on CUDA; on CPU the faster of float32 and bf16
     for this target's training step, measured by a short probe at start-up and cached per
     machine (``dtype-probe.json`` in the user cache directory)."""
-    init_from_target: bool = False
-    """Initialise drafter layers from the target's last layers where shapes allow."""
-    drafter_init: Literal["random", "target"] = "random"
+    drafter_init: Literal["random", "target", "last_layers"] = "random"
     """``random``: fresh initialisation (reference). ``target``: the drafter starts as the
     target's next layer after the last tapped one (L): ``fc`` selects layer L's features (zero
     weight on other tapped layers), ``hidden_norm`` is layer L+1's input norm, drafter layer i
     a copy of target layer L+1+i, the final ``norm`` the target's final norm scaled by 0.2 (same
     argmax, less confident first predictions); so the first drafter layer's keys/values over
     the context are layer L+1's; a wider MLP (``intermediate_size`` above the target's) gets
-    the target's units first and zero output weights on the extra ones. Excludes
-    ``init_from_target``."""
+    the target's units first and zero output weights on the extra ones. ``last_layers``:
+    drafter layer i a copy of the target's layer ``n_target - n_draft + i`` where names and
+    shapes match; ``fc`` and the norms stay fresh."""
+    variant: Literal["dflash", "dflash2"] = "dflash"
+    """``dflash``: the DFlash drafter. ``dflash2``: DFlash2 (z-lab/Inco AI): the same backbone
+    plus a two-tap dynamic depthwise convolution around each attention and MLP sublayer and a
+    candidate selector that picks each draft among the top ``selector_top_k`` tokens of its
+    slot given the token before it (see docs/dflash2.md)."""
+    selector_rank: int | None = ranged(None, ge=1, le=8192, none="for 256 (model.variant: dflash2 only)")
+    """DFlash2: rank of the selector's predecessor/successor codebooks (each vocabulary x rank)."""
+    selector_top_k: int | None = ranged(None, ge=1, le=1024, none="for 16 (model.variant: dflash2 only)")
+    """DFlash2: candidates per block slot (the top-k of the drafter's logits); at most the
+    target's vocabulary."""
+    conv_group_size: int | None = ranged(None, ge=1, le=65536,
+                                         none="for 16 (model.variant: dflash2 only)")
+    """DFlash2: channels that share one dynamic kernel coefficient; must divide the hidden size."""
 
 
 @dataclass(kw_only=True)
@@ -412,9 +424,6 @@ def validate(cfg: Config) -> None:
     """Range checks of every option, then cross-field checks; raise ConfigError naming the field."""
     check_ranges(cfg)
     checks: list[tuple[bool, str]] = [
-        (not (cfg.model.init_from_target and cfg.model.drafter_init == "target"),
-         "model.init_from_target and model.drafter_init=target both initialise the drafter "
-         "layers from the target; set only one"),
         (cfg.data.max_length > cfg.model.block_size,
          "data.max_length must be larger than model.block_size"),
         (cfg.training.min_lr <= cfg.training.lr, "training.min_lr must be <= training.lr"),
@@ -429,6 +438,13 @@ def validate(cfg: Config) -> None:
     if bounds is not None:
         checks.append((list(bounds) == sorted(set(bounds)) and len(bounds) > 0,
                        "pipeline.bucket_boundaries must be strictly increasing"))
+    if cfg.model.variant != "dflash2":
+        dflash2_only = [f"model.{name}" for name in ("selector_rank", "selector_top_k", "conv_group_size")
+                        if getattr(cfg.model, name) is not None]
+        are = "is a DFlash2 option" if len(dflash2_only) == 1 else "are DFlash2 options"
+        checks.append((not dflash2_only,
+                       f"{', '.join(dflash2_only)} {are}, but model.variant is {cfg.model.variant}; "
+                       f"set model.variant=dflash2 or remove {'it' if len(dflash2_only) == 1 else 'them'}"))
     ids = cfg.model.target_layer_ids
     if ids is not None:
         checks.append((len(ids) > 0, "model.target_layer_ids must be a non-empty list of layer indices >= 0"))
@@ -573,7 +589,34 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 raise ConfigError(f"override {text!r}: {part!r} is not a section")
             node = child
         node[parts[-1]] = value
+    _removed_keys(raw)
     return _build(Config, raw, "")
+
+
+def _removed_keys(raw: dict[str, Any]) -> None:
+    """Refuse a key that was replaced, saying what to write instead.
+
+    ``model.init_from_target`` became ``model.drafter_init: last_layers``. Its ``false``, which
+    the ``config.yaml`` of every earlier run holds, changes nothing and is dropped, so that such
+    a file still loads.
+    """
+    model = raw.get("model")
+    if not isinstance(model, dict) or "init_from_target" not in model:
+        return
+    value = model.pop("init_from_target")
+    if value not in (False, None, "false"):
+        raise ConfigError(f"model.init_from_target={value!r} was replaced by model.drafter_init: "
+                          "write model.drafter_init=last_layers (drafter_init: last_layers under "
+                          "model: in a YAML file) instead")
+
+
+def upgrade_saved_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """A config dict saved by an earlier version (a checkpoint's), in today's keys:
+    ``model.init_from_target: true`` is ``model.drafter_init: last_layers``."""
+    model = dict(saved.get("model") or {})
+    if model.pop("init_from_target", False):
+        model["drafter_init"] = "last_layers"
+    return {**saved, "model": model}
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

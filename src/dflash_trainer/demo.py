@@ -119,7 +119,7 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
         train_s = time.monotonic() - train_started
         trained = evaluator(trainer.drafter)
         trained_speedup = evaluator.last_speedup
-        trainer.trackers.log(trained, trainer.loop.optimizer_step)
+        trainer.trackers.log(trained, trainer.drafter_step.optimizer_step)
     except BaseException:
         close_after_failure(trainer)
         raise
@@ -136,7 +136,7 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
         "untrained_tau": untrained["eval/tau"], "untrained_lossless": bool(untrained["eval/lossless"]),
         **{f"untrained_{k}": v for k, v in untrained_speedup.summary_fields().items()},
         "prompts": cfg.eval.prompts, "num_prompts": num_prompts,
-        "max_new_tokens": cfg.eval.max_new_tokens, "steps": trainer.loop.optimizer_step,
+        "max_new_tokens": cfg.eval.max_new_tokens, "steps": trainer.drafter_step.optimizer_step,
         "dtype": dtype,
         # Wall times make a result file comparable across machines: the step rate varies ~3x.
         "wall_s": round(time.monotonic() - started, 1), "train_s": round(train_s, 1),
@@ -146,7 +146,7 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     (eval_dir / "results.json").write_text(json.dumps(results, indent=1))
     report = write_report(run_dir)
     print(f"\ndemo finished in {time.monotonic() - started:.0f} s "
-          f"({trainer.loop.optimizer_step} training steps in {dtype}; evaluation in float32)")
+          f"({trainer.drafter_step.optimizer_step} training steps in {dtype}; evaluation in float32)")
     print(_results_table(untrained, trained, (untrained_speedup, trained_speedup)))
     print(f"  run folder        {run_dir}\n"
           f"  resolved config   {run_dir / 'config.yaml'}\n"

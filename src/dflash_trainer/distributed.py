@@ -147,7 +147,7 @@ def wrap_drafter(module: nn.Module, info: DistInfo, cfg: DistributedConfig) -> n
     """DDP by default; FSDP2 ``fully_shard`` per decoder layer, then the root, when asked.
 
     Both average gradients over ranks; the train loop's loss scaling turns that into the
-    global token-weighted mean (see ``DrafterTrainLoop``).
+    global token-weighted mean (see ``DrafterStep``).
     """
     if not info.enabled:
         return module

@@ -42,7 +42,8 @@ import torch
 from torch import nn
 
 from dflash_trainer.config import Config, save_config
-from dflash_trainer.errors import CheckpointError, ConfigError, DataError, TargetError
+from dflash_trainer.data.tokenize import render_prompt
+from dflash_trainer.errors import CheckpointError, ConfigError, DataError
 from dflash_trainer.spec_decode import (Decoded, acceptance_spans, end_of_turn_ids, first_mismatch,
                                         piece_texts, speculative_generate, target_generate)
 from dflash_trainer.speedup import (Clock, PairedTimer, PairedTiming, SpeedupMeasurement, TimingRun,
@@ -50,7 +51,7 @@ from dflash_trainer.speedup import (Clock, PairedTimer, PairedTiming, SpeedupMea
 
 __all__ = ["EvalError", "EvalPrompt", "EvalReport", "InTrainingEval", "RequestResult", "acceptance_trace",
            "decode_request", "evaluate_prompts", "heldout_prompts", "load_models", "load_prompts", "main",
-           "mtbench_prompts", "print_summary", "prompt_from_messages", "read_prompt_file", "render_prompt",
+           "mtbench_prompts", "print_summary", "prompt_from_messages", "read_prompt_file",
            "request_result", "summarize", "write_results"]
 
 
@@ -248,16 +249,6 @@ def load_prompts(cfg: Config, *, limit: int | None = None, first_turn_only: bool
     if cfg.eval.first_turn_only if first_turn_only is None else first_turn_only:
         prompts = [replace(p, turns=p.turns[:1]) for p in prompts]
     return prompts
-
-
-def render_prompt(tokenizer: Any, messages: list[dict[str, str]], *, thinking: bool = False) -> list[int]:
-    """Token ids of a chat ending with the assistant generation prompt (the training template)."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise TargetError(f"the tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat template, "
-                        "so prompts cannot be rendered; use a target folder whose tokenizer has one")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                         enable_thinking=thinking)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 # --- decoding and metrics -------------------------------------------------------------------

@@ -246,3 +246,18 @@ def disk_oserror(exc: BaseException) -> OSError | None:
             return current
         current = current.__cause__ or current.__context__
     return None
+
+
+def disk_error(exc: BaseException, *, folder: str | os.PathLike[str] | None = None
+               ) -> DiskError | None:
+    """The :class:`DiskError` behind ``exc`` (itself, or an ``OSError`` of a full, read-only or
+    unwritable disk anywhere in its cause/context chain), or None. It names the file of the
+    ``OSError``, else ``folder`` (the folder the command writes into)."""
+    if isinstance(exc, DiskError):
+        return exc
+    error = disk_oserror(exc)
+    if error is None:
+        return None
+    where = error.filename or (f"into {folder}" if folder is not None else "the output folder")
+    return disk_error_for(where, error,
+                          fix=f"{DISK_FIX} (run_dir, --out, data.cache_dir)")

@@ -17,6 +17,7 @@ import shutil
 import signal
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +28,21 @@ import yaml
 from dflash_trainer.checkpoint import (
     Checkpointer, ResumeError, SaveRequest, checkpoint_names, load_state, resolve_resume,
     snapshot)
-from dflash_trainer.cli import disk_error
 from dflash_trainer.components import Components, build
-from dflash_trainer.config import Config, config_to_dict, save_config
+from dflash_trainer.config import Config, config_to_dict, save_config, upgrade_saved_config
 from dflash_trainer.distributed import (
     DistInfo, check_distributed_options, close_distributed, full_model_state,
     full_optimizer_state, init_distributed, is_sharded, load_model_state, load_optimizer_state)
 from dflash_trainer.errors import ConfigError, UserError
-from dflash_trainer.fsutil import step_of
+from dflash_trainer.fsutil import disk_error, step_of
 from dflash_trainer.locks import FolderLock, run_folder_lock
+from dflash_trainer.model.batch import Batch
 from dflash_trainer.model.export import check_fits_target, export_drafter, read_drafter_config
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
-from dflash_trainer.pipeline.batch import Batch
+from dflash_trainer.pipeline.drafter_step import DrafterStep
 from dflash_trainer.pipeline.pipeline import PipelineSettings, TrainingPipeline, plan_metrics
 from dflash_trainer.pipeline.stage import GracefulStop
-from dflash_trainer.pipeline.train_loop import DrafterTrainLoop
-from dflash_trainer.trackers import StepValues, build_trackers
+from dflash_trainer.trackers import build_trackers
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +171,35 @@ class BestCheckpoint:
         return True
 
 
+@dataclass(kw_only=True)
+class RunClock:
+    """When :meth:`Trainer.train` started and when it last saved a checkpoint (monotonic s)."""
+
+    start: float
+    last_save: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.last_save = self.start
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepDecision:
+    """What follows an optimizer step, the same on every rank (see ``Trainer._decide``)."""
+
+    stop: str | None = None
+    """Why the run stops after this step (None: it goes on)."""
+    checkpoint: bool = False
+    """Whether a checkpoint is saved after this step (when the run goes on)."""
+
+
+def any_rank(flags: list[bool], dist: DistInfo) -> list[bool]:
+    """For each flag, whether any rank set it: one all-reduce of one small tensor on the
+    rank's device (gloo and NCCL), and one host sync."""
+    values = torch.tensor([float(f) for f in flags], device=dist.device)
+    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+    return [v > 0 for v in values.tolist()]
+
+
 class Trainer:
     """One rank's run: components, pipeline, trackers, checkpoints and in-training eval.
 
@@ -188,7 +217,7 @@ class Trainer:
         if cfg.pipeline.num_threads:
             torch.set_num_threads(cfg.pipeline.num_threads)
         elif self.dist.device.type == "cpu":
-            # The target stage and the drafter loop compute at the same time; two intra-op
+            # The target stage and the drafter step compute at the same time; two intra-op
             # pools of all cores oversubscribe them (2.9x slower measured on 2 cores).
             torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
         self.run_dir = Path(cfg.run_dir)
@@ -225,8 +254,6 @@ class Trainer:
                 is_rank0=self.dist.is_main,
                 resume_run_id=(resume or {}).get("tracker_run_id"),
                 total_steps=self.total_steps, max_time_s=cfg.training.max_time_s)
-            # The bucket of every micro-batch goes to metrics.jsonl (the report's bucket strip).
-            self.step_buckets = StepValues(self.trackers, "data/step_buckets")
             self.in_training_eval = None
             if cfg.eval.every_steps and self.dist.is_main:
                 from dflash_trainer.evaluate import InTrainingEval
@@ -235,9 +262,9 @@ class Trainer:
                     cfg, target=self.target, tokenizer=self.parts.tokenizer)
             self.pipeline = TrainingPipeline(
                 data=self.parts.data, plans=self.parts.plans, extract=self.parts.extractor,
-                loop=self.loop, dist=self.dist,
+                drafter_step=self.drafter_step, dist=self.dist,
                 settings=PipelineSettings.from_config(cfg, block_size=self.drafter.block_size),
-                trackers=self.step_buckets)
+                trackers=self.trackers)
             if resume is not None:
                 # Last, so that nothing built after it draws from the restored RNG streams.
                 self.load_state_dict(resume)
@@ -273,9 +300,9 @@ class Trainer:
         return self.parts.drafter
 
     @property
-    def loop(self) -> DrafterTrainLoop:
-        """The drafter train loop (optimizer, schedule, step counters)."""
-        return self.parts.loop
+    def drafter_step(self) -> DrafterStep:
+        """The drafter's training step (optimizer, schedule, step counters)."""
+        return self.parts.drafter_step
 
     @property
     def total_steps(self) -> int:
@@ -362,7 +389,7 @@ class Trainer:
         if folder is None:
             return None  # a fresh start (see _check_run_folder), or resume=auto with nothing saved
         state = load_state(folder, rank=self.dist.rank)
-        check_resume_compatible(state["config"], config_to_dict(self.cfg),
+        check_resume_compatible(upgrade_saved_config(state["config"]), config_to_dict(self.cfg),
                                 saved_world=state["world_size"], world=self.dist.world_size)
         check_fits_target(read_drafter_config(folder / "drafter"), self.target.config, self.tokenizer,
                           drafter=f"checkpoint.resume={folder}", target=self.cfg.model.target,
@@ -388,15 +415,15 @@ class Trainer:
 
         A collective when the drafter is sharded: call it on every rank.
         """
-        loop_state = self.loop.state_dict()
+        step_state = self.drafter_step.state_dict()
         if is_sharded(self.parts.objective):
-            loop_state["optimizer"] = full_optimizer_state(self.parts.objective,
-                                                           self.loop.optimizer)
+            step_state["optimizer"] = full_optimizer_state(self.parts.objective,
+                                                           self.drafter_step.optimizer)
         return {
-            "step": self.loop.optimizer_step,
-            "epoch": self.loop.last_epoch,
+            "step": self.drafter_step.optimizer_step,
+            "epoch": self.drafter_step.last_epoch,
             "drafter": full_model_state(self.drafter),
-            "loop": loop_state,
+            "loop": step_state,  # the drafter step's state, under its key of every checkpoint
             **self.pipeline.state_dict(),
             "rng": _rng_state(self.device),
             "tracker_run_id": self.trackers.run_id,
@@ -410,22 +437,22 @@ class Trainer:
         """Apply a checkpoint's state: weights, optimizer and schedule, data position, run
         totals, RNG streams and the best checkpoint so far (before :meth:`train`)."""
         load_model_state(self.drafter, state["drafter"])
-        loop_state = state["loop"]
+        step_state = state["loop"]
         objective = self.parts.objective
         if is_sharded(objective):
             # Saved unsharded (see state_dict); each rank keeps its shard.
-            load_optimizer_state(objective, self.loop.optimizer, loop_state["optimizer"])
-            loop_state = {**loop_state, "optimizer": self.loop.optimizer.state_dict()}
-        self.loop.load_state_dict(loop_state)
+            load_optimizer_state(objective, self.drafter_step.optimizer, step_state["optimizer"])
+            step_state = {**step_state, "optimizer": self.drafter_step.optimizer.state_dict()}
+        self.drafter_step.load_state_dict(step_state)
         self.pipeline.load_state_dict(state)
         self._best.best = state.get("best")
         if self._best.best is not None:
             self.checkpointer.mark_best(self._best.best["step"])
-        self._snapshot_step = self.loop.optimizer_step
-        if self.loop.schedule.total_steps != self.total_steps:
+        self._snapshot_step = self.drafter_step.optimizer_step
+        if self.drafter_step.schedule.total_steps != self.total_steps:
             log.warning("the LR schedule of the checkpoint spans %d steps, this config %d: the "
                         "schedule keeps the checkpoint's curve; the run stops at step %d",
-                        self.loop.schedule.total_steps, self.total_steps, self.total_steps)
+                        self.drafter_step.schedule.total_steps, self.total_steps, self.total_steps)
         _set_rng_state(state["rng"], self.device)
 
     def save_checkpoint(self, *, eval_tau: float | None = None) -> None:
@@ -434,9 +461,9 @@ class Trainer:
         Every rank calls it at the same step. ``eval_tau`` is this step's in-training eval
         result (rank 0), which decides "best" when in-training eval is on.
         """
-        step = self.loop.optimizer_step
+        step = self.drafter_step.optimizer_step
         self._snapshot_step = step
-        score = eval_tau if self._best.metric == "eval/tau" else self.loop.loss_since_checkpoint()
+        score = eval_tau if self._best.metric == "eval/tau" else self.drafter_step.loss_since_checkpoint()
         is_best = self.dist.is_main and self._best.update(score, step)
         full = self.state_dict()
         rank_states: dict[int, Any] = {}
@@ -465,32 +492,6 @@ class Trainer:
 
     # -- the run ------------------------------------------------------------------------
 
-    def _new_best_eval(self, tau: float | None, step: int) -> bool:
-        """Whether this step's eval beat every earlier one (rank 0 decides at eval steps)."""
-        every = self.cfg.eval.every_steps
-        if not every or step % every:
-            return False
-        better = self.dist.is_main and self._best.improves(tau)
-        if self.dist.enabled:
-            flag = torch.tensor([float(better)], device=self.device)
-            torch.distributed.broadcast(flag, src=0)
-            better = bool(flag.item())
-        return better
-
-    def _should_checkpoint(self, last_save: float) -> bool:
-        ck = self.cfg.checkpoint
-        step = self.loop.optimizer_step
-        due = bool(ck.every_steps and step % ck.every_steps == 0)
-        if ck.every_minutes and time.monotonic() - last_save >= 60 * ck.every_minutes:
-            due = True
-        if self.dist.enabled and ck.every_minutes:
-            # Ranks' clocks differ: rank 0 decides, everyone follows (a collective and a
-            # host sync per step, only when time-based saving is on).
-            flag = torch.tensor([float(due)], device=self.device)
-            torch.distributed.broadcast(flag, src=0)
-            due = bool(flag.item())
-        return due
-
     def _log_plan(self, epoch: int) -> None:
         """The plan statistics of ``epoch``, once per epoch: in the next logged record (JSONL,
         W&B, TensorBoard) and as a console line."""
@@ -513,77 +514,89 @@ class Trainer:
         Returns the last logged metrics; :attr:`stopped_by` says why it ended.
         """
         cfg = self.cfg
-        loop, monitor = self.loop, self.pipeline.monitor
+        drafter_step, monitor = self.drafter_step, self.pipeline.monitor
         if self.dist.is_main:
             per_epoch = [self.parts.plans.num_steps(e) for e in range(cfg.training.epochs)]
             print(f"training: {self.total_steps} optimizer steps ({sum(per_epoch)} batches in "
                   f"{cfg.training.epochs} epoch(s) / grad_accum {cfg.training.grad_accum}), "
                   f"{len(self.parts.data)} samples, device {self.device}, run dir "
                   f"{self.run_dir}", flush=True)
-        start = time.monotonic()
+        clock = RunClock(start=time.monotonic())
         self.trackers.training_started()
-        last_save = start
         stopped_by: str | None = None
         tau: float | None = None
         last: dict[str, float] = {}
         logged_epoch: int | None = None
         with GracefulStop() as signals, self.pipeline:
-            for item in self.pipeline.batches_trained(
-                    until=lambda: loop.optimizer_step >= self.total_steps):
-                batch = item.batch
-                self.step_buckets.record(batch.bucket)
-                if batch.epoch != logged_epoch:
-                    self._log_plan(batch.epoch)
-                    logged_epoch = batch.epoch
+            for item in self.pipeline.step_inputs(
+                    until=lambda: drafter_step.optimizer_step >= self.total_steps):
+                stepped = drafter_step.train_micro_batch(item)
+                self.pipeline.acknowledge(item.batch)  # a checkpoint from here resumes after it
+                if item.batch.epoch != logged_epoch:
+                    logged_epoch = item.batch.epoch
+                    self._log_plan(logged_epoch)
                 if on_batch is not None:
-                    on_batch(batch)
-                if loop.micro_step % cfg.training.grad_accum:
-                    continue
-                step = loop.optimizer_step
+                    on_batch(item.batch)
+                if not stepped:
+                    continue  # gradients accumulate over grad_accum micro-batches
+                step = drafter_step.optimizer_step
                 last = monitor.maybe_log(step) or last
                 tau = self._maybe_eval(step)
-                new_best = self._new_best_eval(tau, step)
-                stopped_by = self._stop_reason(signals, start, step, stop_after_steps)
-                if stopped_by is not None:
+                decision = self._decide(step, tau=tau, signals=signals, clock=clock,
+                                        stop_after_steps=stop_after_steps)
+                if decision.stop is not None:
+                    stopped_by = decision.stop
                     break  # the final checkpoint below
-                if new_best or self._should_checkpoint(last_save):
+                if decision.checkpoint:
                     # A checkpoint step is a log step: the run totals it saves are exact.
                     last = monitor.final(step) or last
                     self.save_checkpoint(eval_tau=tau)
-                    last_save = time.monotonic()
-            loop.check_nonfinite()
-            last = monitor.final(loop.optimizer_step) or last
+                    clock.last_save = time.monotonic()
+            drafter_step.check_nonfinite()
+            last = monitor.final(drafter_step.optimizer_step) or last
             # Not checkpointer.last_saved_step: only rank 0 writes, and asynchronously, so
             # ranks would disagree and the snapshot's collectives would hang.
-            if self._snapshot_step != loop.optimizer_step:
+            if self._snapshot_step != drafter_step.optimizer_step:
                 self.save_checkpoint(eval_tau=tau)
         self.stopped_by = stopped_by or "completed"
-        self._finish(self.stopped_by, time.monotonic() - start)
+        self._finish(self.stopped_by, time.monotonic() - clock.start)
         return last
 
-    def _stop_reason(self, signals: GracefulStop, start: float, step: int,
-                     stop_after_steps: int | None) -> str | None:
-        """Why the run stops after ``step`` (None: it goes on); the same on every rank."""
+    def _decide(self, step: int, *, tau: float | None, signals: GracefulStop, clock: RunClock,
+                stop_after_steps: int | None) -> StepDecision:
+        """Whether the run stops after ``step`` (and why) or saves a checkpoint there; the same
+        on every rank, or the collectives of the next step or of the snapshot would hang.
+
+        Counted rules (``stop_after_steps``, ``checkpoint.every_steps``) agree by themselves.
+        What one rank sees alone (a signal, its clock for ``max_time_s`` and
+        ``checkpoint.every_minutes``, rank 0's eval beating the best) is agreed in one
+        all-reduce of the flags. That is a host sync, so a multi-rank run takes it at log and
+        eval steps only, where the monitor and the eval sync anyway, and such a decision waits
+        for the next of them; a single process decides after every step.
+        """
         if stop_after_steps is not None and stop_after_steps <= step < self.total_steps:
-            return "stop_after_steps"
+            return StepDecision(stop="stop_after_steps")
+        ck = self.cfg.checkpoint
+        eval_step = bool(self.cfg.eval.every_steps) and step % self.cfg.eval.every_steps == 0
+        counted = bool(ck.every_steps) and step % ck.every_steps == 0
+        if self.dist.enabled and step % self.cfg.logging.every_steps and not eval_step:
+            return StepDecision(checkpoint=counted)
         reason = None
         if signals.requested and signals.signum is not None:
             reason = f"signal {signal.Signals(signals.signum).name}"
         elif self.cfg.training.max_time_s and (
-                time.monotonic() - start >= self.cfg.training.max_time_s):
+                time.monotonic() - clock.start >= self.cfg.training.max_time_s):
             reason = "max_time_s"
-        if not self.dist.enabled:
-            return reason
-        # Ranks see a signal or their clock at different moments but must stop at the same
-        # step, or the final collectives hang. Agreeing costs a host sync, so it happens at
-        # log steps only (the monitor syncs there anyway).
-        if step % self.cfg.logging.every_steps:
-            return None
-        flag = torch.tensor([float(reason is not None)], device=self.device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        if not flag.item():
-            return None
-        return reason or "a stop on another rank"
+        # Rank 0's clock and eval decide for every rank.
+        by_clock = self.dist.is_main and bool(ck.every_minutes) and (
+            time.monotonic() - clock.last_save >= 60 * ck.every_minutes)
+        new_best = self.dist.is_main and eval_step and self._best.improves(tau)
+        if self.dist.enabled:
+            stop_anywhere, by_clock, new_best = any_rank(
+                [reason is not None, by_clock, new_best], self.dist)
+            if stop_anywhere:
+                reason = reason or "a stop on another rank"
+        return StepDecision(stop=reason, checkpoint=counted or by_clock or new_best)
 
     def _maybe_eval(self, step: int) -> float | None:
         """Run the in-training eval at eval steps (rank 0); its ``eval/tau`` or None."""
@@ -599,9 +612,9 @@ class Trainer:
         self.checkpointer.wait()
         # A stop (signal, stop_after_steps) is a pause: exit fast, the resumed run evaluates.
         finished = stopped_by in ("completed", "max_time_s")
-        if finished and self.in_training_eval is not None and self.loop.optimizer_step % (
+        if finished and self.in_training_eval is not None and self.drafter_step.optimizer_step % (
                 self.cfg.eval.every_steps or 1):
-            self.trackers.log(self.in_training_eval(self.drafter), self.loop.optimizer_step)
+            self.trackers.log(self.in_training_eval(self.drafter), self.drafter_step.optimizer_step)
         sharded_state = full_model_state(self.drafter) if is_sharded(self.drafter) else None
         if not self.dist.is_main:
             return
@@ -614,7 +627,7 @@ class Trainer:
         if self._best.best is not None:
             b = self._best.best
             best = f"; best checkpoint step-{b['step']} ({b['metric']} {b['value']:.4g})"
-        print(f"training {stopped_by} after {self.loop.optimizer_step} steps in {seconds:.0f} s; "
+        print(f"training {stopped_by} after {self.drafter_step.optimizer_step} steps in {seconds:.0f} s; "
               f"drafter exported to {out}; checkpoints in {self.ckpt_dir}{best}", flush=True)
 
     def close(self, *, keep_run_lock: bool = False) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 
-from dflash_trainer.data.tokenize import reads_enable_thinking
+from dflash_trainer.data.tokenize import reads_enable_thinking, render_prompt
 
 Message = dict[str, str]
 
@@ -149,8 +149,6 @@ class TransformersBackend:
 
     def encode(self, messages: Sequence[Message]) -> list[int]:
         """Prompt token ids: the chat template with the generation prompt appended."""
-        from dflash_trainer.evaluate import render_prompt
-
         ids = render_prompt(self.tokenizer, list(messages), thinking=self.thinking)
         limit = self.max_positions
         if limit is not None and len(ids) + self.sampling.max_new_tokens > limit:

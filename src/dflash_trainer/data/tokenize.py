@@ -50,6 +50,7 @@ from dflash_trainer.data.formats import (
     Tokenized,
     drop_leading_assistant,
 )
+from dflash_trainer.errors import TargetError
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _CHARS_PER_TOKEN = 6
@@ -375,6 +376,16 @@ def reads_enable_thinking(template: str | dict[str, str] | None) -> bool:
     if isinstance(template, dict):
         template = " ".join(template.values())
     return bool(template) and "enable_thinking" in template
+
+
+def render_prompt(tokenizer: Any, messages: list[dict[str, str]], *, thinking: bool = False) -> list[int]:
+    """Token ids of a chat ending with the assistant generation prompt (the training template)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise TargetError(f"the tokenizer ({getattr(tokenizer, 'name_or_path', '?')}) has no chat template, "
+                        "so prompts cannot be rendered; use a target folder whose tokenizer has one")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=thinking)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def trim_conversation(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:

@@ -29,12 +29,20 @@ from dflash_trainer.model.modeling.dflash import (
     DFlashDraftModel,
     build_target_layer_ids,
 )
+from dflash_trainer.model.modeling.dflash2 import (
+    DEFAULT_CONV_GROUP_SIZE,
+    DEFAULT_CONV_KERNEL_SIZE,
+    DEFAULT_SELECTOR_RANK,
+    DEFAULT_SELECTOR_TOP_K,
+    DFlash2DraftModel,
+)
 from dflash_trainer.model.target import check_target_layer_ids, decoder_layers
 
-__all__ = ["FINAL_NORM_SCALE", "SIGNATURE_KEY", "DFlashDraftModel", "build_drafter", "build_drafter_config",
-           "check_compatible", "default_target_layer_ids", "init_drafter_from_target",
-           "init_from_target", "initialise_drafter", "target_signature", "text_config",
-           "tokenizer_signature"]
+__all__ = ["ARCHITECTURES", "FINAL_NORM_SCALE", "SIGNATURE_KEY", "DFlash2DraftModel", "DFlashDraftModel",
+           "build_drafter", "build_drafter_config", "check_compatible", "default_target_layer_ids",
+           "drafter_class", "drafter_variant", "init_drafter_from_target",
+           "init_from_last_layers", "initialise_drafter", "tapped_layer_ids", "target_signature",
+           "text_config", "tokenizer_signature"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +51,22 @@ SIGNATURE_KEY = "dflash_trainer"
 of the target the drafter was built for. Outside ``dflash_config``, which z-lab, SGLang and
 vLLM read; transformers keeps unknown top-level keys as config attributes."""
 _SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "mask_token_id")
+
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+"""``model.variant`` -> the ``architectures`` entry of its exports (z-lab's class names)."""
+_CLASSES: dict[str, type[DFlashDraftModel]] = {"dflash": DFlashDraftModel, "dflash2": DFlash2DraftModel}
+
+
+def drafter_variant(config: PretrainedConfig) -> str:
+    """``dflash`` or ``dflash2``: the variant a drafter config describes, by its
+    ``architectures`` (a config without one is DFlash)."""
+    names = list(getattr(config, "architectures", None) or [])
+    return "dflash2" if ARCHITECTURES["dflash2"] in names else "dflash"
+
+
+def drafter_class(config: PretrainedConfig) -> type[DFlashDraftModel]:
+    """The model class of a drafter config (:func:`drafter_variant`)."""
+    return _CLASSES[drafter_variant(config)]
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -99,6 +123,15 @@ def _rope_parameters(target: PretrainedConfig) -> dict[str, Any]:
     return params
 
 
+def tapped_layer_ids(model_cfg: ModelConfig, num_target_layers: int) -> list[int]:
+    """The target layers a drafter of ``model_cfg`` taps: ``model.target_layer_ids``, else the
+    reference rule (:func:`default_target_layer_ids`); checked against the target's layers."""
+    layer_ids = (list(model_cfg.target_layer_ids) if model_cfg.target_layer_ids is not None
+                 else default_target_layer_ids(num_target_layers, model_cfg.num_layers))
+    check_target_layer_ids(layer_ids, num_target_layers)
+    return layer_ids
+
+
 def build_drafter_config(model_cfg: ModelConfig, target_config: PretrainedConfig, *,
                          mask_token_id: int | None = None, tokenizer: Any = None) -> Qwen3Config:
     """Qwen3-style drafter config: per-layer sizes from the target unless ``model.*`` overrides them.
@@ -107,9 +140,7 @@ def build_drafter_config(model_cfg: ModelConfig, target_config: PretrainedConfig
     fingerprint too), which :func:`check_compatible` compares before the drafter is used."""
     target = text_config(target_config)
     num_target_layers = int(target.num_hidden_layers)
-    layer_ids = (list(model_cfg.target_layer_ids) if model_cfg.target_layer_ids is not None
-                 else default_target_layer_ids(num_target_layers, model_cfg.num_layers))
-    check_target_layer_ids(layer_ids, num_target_layers)
+    layer_ids = tapped_layer_ids(model_cfg, num_target_layers)
     mask_id = mask_token_id if mask_token_id is not None else model_cfg.mask_token_id
     if mask_id is None:
         raise ValueError("model.mask_token_id is not set: resolve it with "
@@ -153,10 +184,31 @@ def build_drafter_config(model_cfg: ModelConfig, target_config: PretrainedConfig
         dflash_config={"mask_token_id": int(mask_id), "target_layer_ids": layer_ids,
                        "block_size": model_cfg.block_size},
     )
-    config.architectures = ["DFlashDraftModel"]
+    config.architectures = [ARCHITECTURES[model_cfg.variant]]
+    if model_cfg.variant == "dflash2":
+        config.is_causal = False
+        config.dflash_config.update(_dflash2_settings(model_cfg, target))
     setattr(config, SIGNATURE_KEY, target_signature(target_config, tokenizer))
     check_compatible(config, target_config)
     return config
+
+
+def _dflash2_settings(model_cfg: ModelConfig, target: PretrainedConfig) -> dict[str, int]:
+    """The ``dflash_config`` keys of a DFlash2 drafter, defaults filled in and checked against
+    the target's sizes."""
+    settings = {
+        "conv_kernel_size": DEFAULT_CONV_KERNEL_SIZE,
+        "conv_group_size": model_cfg.conv_group_size or DEFAULT_CONV_GROUP_SIZE,
+        "selector_rank": model_cfg.selector_rank or DEFAULT_SELECTOR_RANK,
+        "selector_top_k": model_cfg.selector_top_k or DEFAULT_SELECTOR_TOP_K,
+    }
+    if target.hidden_size % settings["conv_group_size"]:
+        raise ConfigError(f"model.conv_group_size={settings['conv_group_size']} does not divide the target's "
+                          f"hidden size {target.hidden_size}; choose a divisor of it (16 if it divides)")
+    if settings["selector_top_k"] > target.vocab_size:
+        raise ConfigError(f"model.selector_top_k={settings['selector_top_k']} is larger than the target's "
+                          f"vocabulary ({target.vocab_size} tokens); choose at most {target.vocab_size}")
+    return settings
 
 
 def check_compatible(drafter_config: PretrainedConfig, target_config: PretrainedConfig, *,
@@ -209,7 +261,8 @@ def _tokenizer_differences(recorded: dict[str, Any], current: dict[str, Any]) ->
 
 def build_drafter(model_cfg: ModelConfig, target_config: PretrainedConfig, *,
                   mask_token_id: int | None = None, tokenizer: Any = None) -> DFlashDraftModel:
-    """A freshly initialised drafter (fp32, SDPA attention) for ``target_config``.
+    """A freshly initialised drafter (fp32, SDPA attention) for ``target_config``: a
+    :class:`DFlashDraftModel`, or with ``model.variant: dflash2`` a :class:`DFlash2DraftModel`.
 
     ``mask_token_id`` overrides ``model_cfg.mask_token_id``; one of them must be set. With the
     target's ``tokenizer`` its fingerprint is recorded in the config (and so in every export).
@@ -217,12 +270,13 @@ def build_drafter(model_cfg: ModelConfig, target_config: PretrainedConfig, *,
     config = build_drafter_config(model_cfg, target_config, mask_token_id=mask_token_id,
                                   tokenizer=tokenizer)
     config._attn_implementation = "sdpa"
-    return DFlashDraftModel(config)
+    return drafter_class(config)(config)
 
 
 @torch.no_grad()
-def init_from_target(drafter: DFlashDraftModel, target_model: nn.Module) -> list[str]:
-    """Copy the target's last decoder layers into the drafter layers where names and shapes match.
+def init_from_last_layers(drafter: DFlashDraftModel, target_model: nn.Module) -> list[str]:
+    """``model.drafter_init=last_layers``: copy the target's last decoder layers into the
+    drafter layers where names and shapes match.
 
     Drafter layer i takes target layer ``n_target - n_draft + i``. The drafter's ``fc``,
     ``hidden_norm`` and ``norm`` keep their fresh initialisation. Returns the copied names.
@@ -230,7 +284,7 @@ def init_from_target(drafter: DFlashDraftModel, target_model: nn.Module) -> list
     target_layers = decoder_layers(target_model)
     offset = len(target_layers) - len(drafter.layers)
     if offset < 0:
-        raise ConfigError(f"model.init_from_target copies the target's last layers, but the drafter has "
+        raise ConfigError(f"model.drafter_init=last_layers copies the target's last layers, but the drafter has "
                           f"{len(drafter.layers)} layers (model.num_layers) and the target only "
                           f"{len(target_layers)}; set model.num_layers <= {len(target_layers)}")
     copied = []
@@ -337,12 +391,12 @@ def init_drafter_from_target(drafter: DFlashDraftModel, target_model: nn.Module)
 
 
 def initialise_drafter(drafter: DFlashDraftModel, target_model: nn.Module, model_cfg: ModelConfig) -> list[str]:
-    """Apply ``model.drafter_init`` / ``model.init_from_target`` to a fresh drafter; the
-    names of the parameters copied from the target (empty for a random init)."""
+    """Apply ``model.drafter_init`` to a fresh drafter; the names of the parameters copied
+    from the target (empty for a random init)."""
     if model_cfg.drafter_init == "target":
         copied = init_drafter_from_target(drafter, target_model)
-    elif model_cfg.init_from_target:
-        copied = init_from_target(drafter, target_model)
+    elif model_cfg.drafter_init == "last_layers":
+        copied = init_from_last_layers(drafter, target_model)
     else:
         return []
     log.info("initialised the drafter from the target: %s", ", ".join(copied))

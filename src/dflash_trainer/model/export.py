@@ -1,9 +1,12 @@
-"""Export a drafter in the z-lab ``DFlashDraftModel`` format, and load it back.
+"""Export a drafter in the z-lab ``DFlashDraftModel`` / ``DFlash2DraftModel`` format, and load it back.
 
 An exported folder holds ``config.json`` (Qwen3 fields + DFlash keys, written both at the top
 level and in ``dflash_config`` so z-lab, SGLang, vLLM and MLX loaders all find them),
 ``model.safetensors`` (draft-only weights, no embedding, LM head or rotary buffers) and the
-standalone ``dflash.py`` modeling file that ``trust_remote_code`` loads. The folder is written
+standalone ``dflash.py`` modeling file that ``trust_remote_code`` loads (a DFlash2 export also
+``dflash2.py``, its class, which imports ``dflash.py``; its ``config.json`` adds
+``is_causal: false`` and the convolution and selector keys to ``dflash_config``). Loading picks
+the class from ``architectures``. The folder is written
 to a temporary sibling and renamed into place, so a reader never sees a half-written export.
 
 ``config.json`` also holds, under ``dflash_trainer``, the signature of the target the drafter
@@ -39,14 +42,18 @@ from dflash_trainer.config import Config
 from dflash_trainer.errors import CheckpointError, ConfigError
 from dflash_trainer.fsutil import write_dir_atomically
 from dflash_trainer.model import modeling
-from dflash_trainer.model.drafter import SIGNATURE_KEY, check_compatible, text_config
+from dflash_trainer.model.drafter import (ARCHITECTURES, SIGNATURE_KEY, check_compatible, drafter_class,
+                                          drafter_variant, text_config)
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
 
-__all__ = ["check_export_destination", "check_fits_target", "export_config", "export_drafter",
+__all__ = ["check_export_destination", "check_fits_target", "check_variant", "export_config", "export_drafter",
            "load_checkpoint_drafter", "load_drafter", "main"]
 
 MODELING_FILE = Path(modeling.__file__).parent / "dflash.py"
+MODELING_FILES = {"dflash": (MODELING_FILE,), "dflash2": (MODELING_FILE, MODELING_FILE.with_name("dflash2.py"))}
+"""The modeling files an export of each variant ships (its class's file last)."""
 _WEIGHT_NAMES = ("fc.weight", "hidden_norm.weight", "norm.weight")
+_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2"}
 
 
 def export_config(model: DFlashDraftModel, *, num_target_layers: int, dtype: torch.dtype) -> dict[str, Any]:
@@ -60,15 +67,22 @@ def export_config(model: DFlashDraftModel, *, num_target_layers: int, dtype: tor
     scaling = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
     dtype_name = str(dtype).removeprefix("torch.")
     signature = getattr(c, SIGNATURE_KEY, None)
+    variant = drafter_variant(c)
+    architecture = ARCHITECTURES[variant]
+    section = {"mask_token_id": model.mask_token_id, "target_layer_ids": list(model.target_layer_ids),
+               "block_size": model.block_size}
+    if variant == "dflash2":
+        conv, selector = model.layers[0].attention_conv, model.candidate_selector
+        section.update(conv_kernel_size=conv.kernel_size, conv_group_size=conv.group_size,
+                       selector_rank=selector.predecessor_codebook.shape[1], selector_top_k=selector.top_k)
     return {
-        "architectures": ["DFlashDraftModel"],
-        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "architectures": [architecture],
+        "auto_map": {"AutoModel": f"{MODELING_FILES[variant][-1].stem}.{architecture}"},
         "model_type": "qwen3",
+        **({"is_causal": False} if variant == "dflash2" else {}),
         "block_size": model.block_size,
         "num_target_layers": num_target_layers,
-        "dflash_config": {"mask_token_id": model.mask_token_id,
-                          "target_layer_ids": list(model.target_layer_ids),
-                          "block_size": model.block_size},
+        "dflash_config": section,
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
         "num_hidden_layers": c.num_hidden_layers,
@@ -103,7 +117,8 @@ def export_config(model: DFlashDraftModel, *, num_target_layers: int, dtype: tor
 
 def _draft_weights(model: DFlashDraftModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     state = model.state_dict()
-    unexpected = [k for k in state if not (k.startswith("layers.") or k in _WEIGHT_NAMES)]
+    selector = "candidate_selector." if drafter_variant(model.config) == "dflash2" else "layers."
+    unexpected = [k for k in state if not (k.startswith(("layers.", selector)) or k in _WEIGHT_NAMES)]
     missing = [k for k in _WEIGHT_NAMES if k not in state]
     if unexpected or missing:
         raise ValueError(f"drafter state does not match the z-lab format: unexpected {unexpected}, "
@@ -133,7 +148,8 @@ def export_drafter(model: DFlashDraftModel, out_dir: str | Path, *, target_confi
     def write(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        shutil.copyfile(MODELING_FILE, tmp / "dflash.py")
+        for source in MODELING_FILES[drafter_variant(model.config)]:
+            shutil.copyfile(source, tmp / source.name)
 
     write_dir_atomically(out, write, replace=True)
     return out
@@ -162,7 +178,8 @@ def check_export_destination(out: Path, *, overwrite: bool, flag: str = "") -> N
 
 def _is_export(path: Path) -> bool:
     try:
-        return "DFlashDraftModel" in json.loads((path / "config.json").read_text()).get("architectures", [])
+        names = json.loads((path / "config.json").read_text()).get("architectures", [])
+        return any(name in names for name in ARCHITECTURES.values())
     except (OSError, ValueError):
         return False
 
@@ -189,7 +206,7 @@ def check_drafter_folder(path: str | Path) -> None:
         config = DFlashDraftModel.config_class.from_pretrained(str(path))
         config._attn_implementation = "sdpa"
         with torch.device("meta"):
-            expected = {k: tuple(v.shape) for k, v in DFlashDraftModel(config).state_dict().items()}
+            expected = {k: tuple(v.shape) for k, v in drafter_class(config)(config).state_dict().items()}
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise CheckpointError(f"{path / 'config.json'} is not a valid drafter config ({exc}); "
                               "restore the config.json written by export") from exc
@@ -205,13 +222,30 @@ def check_drafter_folder(path: str | Path) -> None:
                               "by export, or export the checkpoint again")
 
 
-def load_drafter(path: str | Path, *, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
-    """Load an exported drafter folder with the in-project class; every weight must be present
-    and match ``config.json`` (checked first: :func:`check_drafter_folder`)."""
+def check_variant(config: PretrainedConfig, expected: str, *, where: str, fix: str) -> None:
+    """Refuse (:class:`CheckpointError`, one line) a drafter whose variant (``dflash`` or
+    ``dflash2``, by its ``architectures``) is not ``expected``; ``where`` names the folder or
+    flag, ``fix`` says what to do."""
+    found = drafter_variant(config)
+    if found != expected:
+        raise CheckpointError(f"{where} holds a {_NAMES[found]} drafter (architectures {ARCHITECTURES[found]}), "
+                              f"but a {_NAMES[expected]} one ({ARCHITECTURES[expected]}) is expected here; {fix}")
+
+
+def load_drafter(path: str | Path, *, dtype: torch.dtype = torch.float32,
+                 variant: str | None = None, fix: str = "") -> DFlashDraftModel:
+    """Load an exported drafter folder with the in-project class of its variant (a
+    :class:`DFlashDraftModel` or its subclass ``DFlash2DraftModel``); every weight must be
+    present and match ``config.json`` (checked first: :func:`check_drafter_folder`). With
+    ``variant``, a drafter of the other variant is refused (:func:`check_variant`, ``fix``
+    saying what to do)."""
     check_drafter_folder(path)
+    config = read_drafter_config(path)
+    if variant is not None:
+        check_variant(config, variant, where=str(path), fix=fix or f"give a {_NAMES[variant]} export")
     try:
-        model, info = DFlashDraftModel.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa",
-                                                       output_loading_info=True)
+        model, info = drafter_class(config).from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa",
+                                          output_loading_info=True)
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{path}: the drafter weights do not load ({first_line(exc)}); the export "
                               "is damaged: export the checkpoint again") from exc
@@ -243,20 +277,22 @@ def read_drafter_config(path: str | Path) -> PretrainedConfig:
                               "restore the config.json written by export") from exc
 
 
-def load_checkpoint_drafter(path: str | Path, *, dtype: torch.dtype = torch.float32) -> DFlashDraftModel:
+def load_checkpoint_drafter(path: str | Path, *, dtype: torch.dtype = torch.float32, variant: str | None = None,
+                            fix: str = "") -> DFlashDraftModel:
     """A drafter from a training checkpoint ``step-N/`` or its ``drafter/`` folder (every file
-    of the checkpoint checked against its manifest first) or from an exported drafter folder."""
+    of the checkpoint checked against its manifest first) or from an exported drafter folder;
+    ``variant`` and ``fix`` as in :func:`load_drafter`."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such folder; give a checkpoint (RUN_DIR/checkpoints/"
                               "step-N) or an exported drafter folder")
     if (path / MANIFEST).is_file():
         validate_checkpoint(path)
-        return load_drafter(path / "drafter", dtype=dtype)
+        return load_drafter(path / "drafter", dtype=dtype, variant=variant, fix=fix)
     if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
         if (path.parent / MANIFEST).is_file():  # step-N/drafter: its checkpoint's manifest covers it
             validate_checkpoint(path.parent)
-        return load_drafter(path, dtype=dtype)
+        return load_drafter(path, dtype=dtype, variant=variant, fix=fix)
     raise CheckpointError(f"{path}: neither a training checkpoint (no {MANIFEST}) nor an exported "
                           "drafter (no config.json + model.safetensors); give a step-N folder of "
                           "RUN_DIR/checkpoints")
@@ -275,6 +311,7 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     model = load_checkpoint_drafter(checkpoint)
     out = export_drafter(model, out)
     num_params = sum(p.numel() for p in model.parameters())
-    print(f"exported drafter ({num_params / 1e6:.1f}M parameters, block {model.block_size}, "
+    print(f"exported drafter ({_NAMES[drafter_variant(model.config)]}, {num_params / 1e6:.1f}M parameters, "
+          f"block {model.block_size}, "
           f"target layers {model.target_layer_ids}, mask id {model.mask_token_id}) to {out}")
     return 0

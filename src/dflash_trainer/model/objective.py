@@ -14,12 +14,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from dflash_trainer.config import Config, default_gamma
+from dflash_trainer.model.batch import Batch
 from dflash_trainer.model.blocks import (build_block_inputs, dense_block_mask, flex_block_mask,
                                          label_positions, labels_and_weights, position_ids)
 from dflash_trainer.model.loss import LossSums, dflash_loss
 from dflash_trainer.model.modeling.dflash import BlockLayout, DFlashDraftModel
 from dflash_trainer.model.target import TargetOutputs
-from dflash_trainer.pipeline.batch import Batch
 
 __all__ = ["DFlashObjective", "noise_scale"]
 

@@ -86,11 +86,6 @@ class Channel:
         """Values currently queued (approximate, as ``queue.Queue.qsize``)."""
         return self._queue.qsize()
 
-    @property
-    def ended(self) -> bool:
-        """Whether the producer finished or failed the stream."""
-        return self._terminal is not None
-
     def put(self, value: Any) -> None:
         """Enqueue ``value``, waiting while the channel is full."""
         start = time.perf_counter()

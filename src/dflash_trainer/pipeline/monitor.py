@@ -6,12 +6,13 @@ window and combines each metric by the rule its stage declared
 (:mod:`dflash_trainer.pipeline.metrics`; the one cross-rank reduction), derives rates and run
 totals, and writes one dict to the trackers.
 
-Kinds of values (names from DESIGN.md):
+Kinds of values (the names are those of the README's metrics glossary):
 
 - windowed, passed through: everything a stage reports except the counters below; means,
   maxima or last values over the window as the stage defines them (``train/loss``,
   ``train/grad_norm`` (mean), ``train/grad_norm_max``, ``train/lr`` (last),
-  ``train/skipped_nonfinite`` (count in the window), ``pipe/{stage}/busy_frac``, ...).
+  ``train/skipped_nonfinite`` (the run's running total, not the window's count),
+  ``pipe/{stage}/busy_frac``, ...).
 - windowed counters consumed by the monitor: ``train/tokens`` (non-padding tokens the train
   loop trained on in the window) and ``train/samples`` (sequences). They become
   ``perf/tokens_per_s`` and ``perf/samples_per_s`` (divided by the window's wall time) and the
@@ -46,7 +47,7 @@ class HasMetrics(Protocol):
     """A pipeline stage as the monitor sees it."""
 
     def get_metrics(self) -> Mapping[str, Metric]:
-        """Metrics since the previous call, under their DESIGN.md names; resets the window."""
+        """Metrics since the previous call, under their logged names; resets the window."""
         ...
 
 

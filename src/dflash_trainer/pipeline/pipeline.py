@@ -1,14 +1,15 @@
 """TrainingPipeline: the prefetcher and target stage threads, their channels, the supervisor
-and the monitor of one rank, with the drafter loop consuming on the calling thread.
+and the monitor of one rank; the caller trains on what it delivers, on its own thread.
 
 ::
 
-    BatchPrefetcher --"batches"--> TargetStage --"features"--> DrafterTrainLoop (caller's thread)
+    BatchPrefetcher --"batches"--> TargetStage --"features"--> caller: DrafterStep
 
 Use it as a context manager: entering starts the stage threads; leaving (normally or by an
 exception) stops and joins them, and re-raises a stage's failure with its original traceback.
-:meth:`state_dict` is the data position (first batch not trained on) and the monitor's run
-totals; load it before entering.
+The caller's loop is ``for item in pipeline.step_inputs(until=...)``: train on ``item``, then
+:meth:`~TrainingPipeline.acknowledge` its batch. :meth:`state_dict` is the data position
+(first batch not acknowledged) and the monitor's run totals; load it before entering.
 """
 
 from __future__ import annotations
@@ -23,15 +24,14 @@ from typing import Any
 from dflash_trainer.config import Config
 from dflash_trainer.data.buckets import Plan
 from dflash_trainer.distributed import DistInfo, gather_objects
-from dflash_trainer.model.blocks import sample_anchors
-from dflash_trainer.pipeline.batch import StepInput
+from dflash_trainer.model.batch import Batch, StepInput
 from dflash_trainer.pipeline.channel import Channel
+from dflash_trainer.pipeline.drafter_step import DrafterStep
 from dflash_trainer.pipeline.monitor import Monitor
-from dflash_trainer.pipeline.prefetch import BatchPrefetcher, TokenDataset
+from dflash_trainer.pipeline.prefetch import BatchPrefetcher, PrefetchOptions, TokenDataset
 from dflash_trainer.pipeline.stage import Supervisor
 from dflash_trainer.pipeline.target_stage import FeatureFn, TargetStage
-from dflash_trainer.pipeline.train_loop import DrafterTrainLoop
-from dflash_trainer.trackers import Tracker
+from dflash_trainer.trackers import StepValues, Tracker
 
 __all__ = ["PipelineSettings", "TrainingPipeline", "plan_metrics"]
 
@@ -63,37 +63,40 @@ class PipelineSettings:
 
 
 class TrainingPipeline:
-    """One rank's pipeline around ``loop``; :meth:`batches` trains and yields each batch.
+    """One rank's pipeline feeding ``drafter_step``; :meth:`step_inputs` delivers its inputs.
 
     ``extract`` is the target's feature function (a ``FeatureExtractor``); ``trackers``
-    receives the monitor's logs. Thread ownership: the prefetcher's workers and dispatcher and
-    the target stage run on their own threads; the loop, the monitor and this object's
+    receives the monitor's logs, with the bucket of every acknowledged micro-batch added
+    (``data/step_buckets``). Thread ownership: the prefetcher's workers and dispatcher and the
+    target stage run on their own threads; the drafter step, the monitor and this object's
     methods run on the caller's thread.
     """
 
     def __init__(self, *, data: TokenDataset, plans: Callable[[int], Plan], extract: FeatureFn,
-                 loop: DrafterTrainLoop, dist: DistInfo, settings: PipelineSettings,
+                 drafter_step: DrafterStep, dist: DistInfo, settings: PipelineSettings,
                  trackers: Tracker | None = None) -> None:
-        self.loop = loop
+        self.drafter_step = drafter_step
         self.stop = threading.Event()
         self.batches = Channel("batches", settings.batch_queue_size, self.stop)
         self.features = Channel("features", settings.feature_queue_size, self.stop)
         self.prefetcher = BatchPrefetcher(
-            data, plans, rank=dist.rank, num_workers=settings.prefetch_workers,
-            out_channels=[self.batches], sample_anchors=sample_anchors,
-            num_anchors=settings.num_anchors, block_size=settings.block_size,
-            seed=settings.seed, pin_memory=dist.device.type == "cuda", stop=self.stop,
-            epochs=settings.epochs)
+            data, plans, PrefetchOptions(
+                rank=dist.rank, num_workers=settings.prefetch_workers,
+                num_anchors=settings.num_anchors, block_size=settings.block_size,
+                seed=settings.seed, epochs=settings.epochs,
+                pin_memory=dist.device.type == "cuda"),
+            outputs=[self.batches], stop=self.stop)
         self.target_stage = TargetStage(extract=extract, inputs=self.batches,
                                         output=self.features, device=dist.device,
                                         stop=self.stop)
         self.supervisor = Supervisor(self.stop)
         self.supervisor.add(self.prefetcher)
         self.supervisor.add(self.target_stage)
+        self.step_buckets = StepValues(trackers or Tracker(), "data/step_buckets")
         gather = (lambda window: gather_objects(window, dist)) if dist.enabled else None
         self.monitor = Monitor(
-            {"prefetch": self.prefetcher, "target": self.target_stage, "train": loop},
-            {"batches": self.batches, "features": self.features}, trackers or Tracker(),
+            {"prefetch": self.prefetcher, "target": self.target_stage, "train": drafter_step},
+            {"batches": self.batches, "features": self.features}, self.step_buckets,
             every_steps=settings.log_every_steps, every_s=settings.log_every_s, gather=gather)
 
     def __enter__(self) -> TrainingPipeline:
@@ -108,24 +111,27 @@ class TrainingPipeline:
         """Stop the stages and join their threads (idempotent)."""
         self.supervisor.close()
 
-    def batches_trained(self, *, until: Callable[[], bool]) -> Iterator[StepInput]:
-        """Train ``loop`` on each item as it arrives and yield it, until ``until()`` is true
-        (checked before each item is fetched) or the data ends.
+    def step_inputs(self, *, until: Callable[[], bool]) -> Iterator[StepInput]:
+        """The drafter step's inputs in plan order, as the target stage delivers them, until
+        ``until()`` is true (checked before each one is fetched) or the data ends.
 
-        Each item is acknowledged to the prefetcher once trained on, so a checkpoint taken
-        between two items resumes at the next one. Waiting for an item is timed for
-        ``perf/data_wait_frac``.
+        Waiting for an input is timed for ``perf/data_wait_frac``. A stage's failure is
+        re-raised here with its original traceback.
         """
         items = self.supervisor.iterate(self.features)
         while not until():
             wait_start = time.perf_counter()
             item = next(items, None)
-            self.loop.note_wait(time.perf_counter() - wait_start)
+            self.drafter_step.note_wait(time.perf_counter() - wait_start)
             if item is None:
                 return
-            self.loop.train_micro_batch(item)
-            self.prefetcher.acknowledge(item.batch)
             yield item
+
+    def acknowledge(self, batch: Batch) -> None:
+        """Record that the drafter step trained on ``batch``: a checkpoint taken from now on
+        resumes after it, and its bucket goes into the next log (``data/step_buckets``)."""
+        self.prefetcher.acknowledge(batch)
+        self.step_buckets.record(batch.bucket)
 
     def stage_metrics(self) -> dict[str, float]:
         """Every stage's window metrics (resets the windows), without logging them."""

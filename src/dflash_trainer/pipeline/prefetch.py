@@ -6,10 +6,14 @@ the stage thread (dispatcher) takes the buffer in stream order and puts stream i
 output channel ``i % len(outputs)``. Workers may not claim more than ``reorder_window``
 indices ahead of the dispatcher, which bounds memory when the consumer is slow.
 
+Several outputs: consumers that share one prefetcher (e.g. several target-stage threads)
+take the batches round-robin, so together they still see plan order; the trainer uses one.
+
 Results do not depend on which worker built a batch: anchors come from a generator seeded
 by (seed, epoch, step, rank). Resume: the consumer calls :meth:`BatchPrefetcher.acknowledge`
 for every batch it trained on; :meth:`state_dict` is the first position not acknowledged,
-so batches in flight (queued or being built) at checkpoint time are produced again.
+so batches in flight (queued or being built) at checkpoint time are produced again, and
+:meth:`load_state_dict` starts a new prefetcher there.
 
 Metrics: ``data/bucket/{i}/dispatched`` counts batches the dispatcher sent on (a batch in
 flight at a checkpoint is dispatched again after resume); everything else (``trained`` per
@@ -21,28 +25,20 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from dflash_trainer.data.buckets import Plan
-from dflash_trainer.pipeline.batch import Batch
+from dflash_trainer.model.batch import Batch
+from dflash_trainer.model.blocks import sample_anchors
 from dflash_trainer.pipeline.channel import POLL_S, Channel, StopRequested
 from dflash_trainer.pipeline.metrics import Max, Metric, Min, Ratio
 from dflash_trainer.pipeline.stage import Stage
 
 STATE_VERSION = 1
-
-
-class AnchorSampler(Protocol):
-    """``model.blocks.sample_anchors``: block starts per row, from the given generator only."""
-
-    def __call__(self, loss_mask: torch.Tensor, num_anchors: int, block_size: int,
-                 generator: torch.Generator, *,
-                 seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(loss_mask [B,S] bool, ...) -> (anchors [B,N] long, keep [B,N] bool)."""
-        ...
 
 
 class TokenDataset(Protocol):
@@ -61,62 +57,62 @@ def step_seed(seed: int, epoch: int, step: int, rank: int) -> int:
     return ((int(high) << 32) | int(low)) & (2**63 - 1)
 
 
+@dataclass(frozen=True, kw_only=True)
+class PrefetchOptions:
+    """What a :class:`BatchPrefetcher` builds and how many threads build it."""
+
+    rank: int
+    """The data-parallel rank whose batches of each plan step are built."""
+    num_workers: int
+    """Worker threads (``pipeline.prefetch_workers``)."""
+    num_anchors: int
+    block_size: int
+    seed: int
+    """``training.seed``: with (epoch, step, rank) it seeds each step's anchor generator."""
+    epochs: int
+    """Epochs ``0 .. epochs - 1``; end-of-stream follows the last step of the last."""
+    pin_memory: bool = False
+    """Page-locked batches, for asynchronous copies to a CUDA device."""
+    reorder_window: int | None = None
+    """Steps workers may claim beyond those dispatched (None: ``2 * num_workers``)."""
+
+
 class BatchPrefetcher(Stage):
     """Builds this rank's batches for every step of every epoch and dispatches them in order.
 
-    ``plan`` is one epoch's :class:`Plan`, or a builder ``epoch -> Plan`` used for epochs
-    ``start_epoch .. epochs - 1``. End-of-stream follows the last step of the last epoch.
-    ``start_step`` starts inside the first epoch; ``start_index`` is the stream index of that
-    step (default: the steps of the earlier epochs plus ``start_step``), which keys the
-    round-robin dispatch. Prefer :meth:`load_state_dict` to resume. ``reorder_window`` (default
-    ``2 * num_workers``) is how many steps workers may claim beyond those dispatched.
+    ``plans`` gives each epoch's :class:`Plan`; ``outputs`` receive the batches round-robin
+    by stream index (see the module docstring). A new prefetcher starts at the first step of
+    epoch 0; :meth:`load_state_dict` moves it to a saved position before :meth:`start`.
     """
 
-    def __init__(self, dataset: TokenDataset, plan: Plan | Callable[[int], Plan], *, rank: int,
-                 num_workers: int, out_channels: Sequence[Channel], sample_anchors: AnchorSampler,
-                 num_anchors: int, block_size: int, seed: int, pin_memory: bool,
-                 stop: threading.Event, epochs: int | None = None, start_epoch: int = 0,
-                 start_step: int = 0, start_index: int | None = None,
-                 reorder_window: int | None = None, name: str = "prefetch") -> None:
-        if num_workers < 1:
+    def __init__(self, dataset: TokenDataset, plans: Callable[[int], Plan],
+                 options: PrefetchOptions, *, outputs: Sequence[Channel], stop: threading.Event,
+                 name: str = "prefetch") -> None:
+        if options.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1 (pipeline.prefetch_workers), "
-                             f"got {num_workers}")
-        if not out_channels:
+                             f"got {options.num_workers}")
+        if not outputs:
             raise ValueError("the prefetcher needs at least one output channel")
-        if isinstance(plan, Plan):
-            if epochs is not None:
-                raise ValueError("pass either one Plan or a plan builder with epochs, not both")
-            self._build_plan: Callable[[int], Plan] = lambda epoch: plan
-            start_epoch, epochs = plan.epoch, plan.epoch + 1
-            start_index = start_step if start_index is None else start_index
-        else:
-            if epochs is None:
-                raise ValueError("a plan builder needs epochs (training.epochs)")
-            self._build_plan = plan
+        pin_memory = options.pin_memory
         if pin_memory and not torch.cuda.is_available():
             warnings.warn("pin_memory has no effect without CUDA; batches stay in pageable memory",
                           stacklevel=2)
             pin_memory = False
-        super().__init__(name, stop=stop, outputs=out_channels, num_busy_threads=num_workers)
+        super().__init__(name, stop=stop, outputs=outputs, num_busy_threads=options.num_workers)
         self.dataset = dataset
-        self.rank = rank
-        self.num_workers = num_workers
-        self.sample_anchors = sample_anchors
-        self.num_anchors = num_anchors
-        self.block_size = block_size
-        self.seed = seed
+        self._build_plan = plans
+        self.options = options
+        self.rank = options.rank
+        self.seed = options.seed
         self.pin_memory = pin_memory
-        self.epochs = epochs
-        self.reorder_window = reorder_window or 2 * num_workers
+        self.reorder_window = options.reorder_window or 2 * options.num_workers
         self._world_size: int | None = None
         self._cond = threading.Condition()
         self._plan: Plan | None = None
-        self._set_position(start_epoch, start_step, start_index)
+        self._set_position(0, 0, 0)
         self._metrics = _BatchMetrics()
 
-    def _set_position(self, epoch: int, step: int, index: int | None) -> None:
-        if index is None:
-            index = step + sum(len(self._build_plan(e)) for e in range(epoch))
+    def _set_position(self, epoch: int, step: int, index: int) -> None:
         # Claim cursor (workers), dispatch cursor, end marker, and acknowledged watermark.
         self._epoch, self._step, self._next_index = epoch, step, index
         self._emitted = index
@@ -130,7 +126,7 @@ class BatchPrefetcher(Stage):
     def start(self) -> None:
         """Start the dispatcher and the workers."""
         super().start()
-        for w in range(self.num_workers):
+        for w in range(self.options.num_workers):
             self.spawn(self._work, f"worker{w}")
 
     def run(self) -> None:
@@ -169,7 +165,7 @@ class BatchPrefetcher(Stage):
             if self.stop.is_set():
                 raise StopRequested
             while True:
-                if self._epoch >= self.epochs:
+                if self._epoch >= self.options.epochs:
                     self._final_index = self._next_index
                     self._cond.notify_all()
                     return None
@@ -200,34 +196,9 @@ class BatchPrefetcher(Stage):
     # -- collate -------------------------------------------------------------------------
 
     def collate(self, plan: Plan, step_index: int, index: int) -> Batch:
-        step = plan.steps[step_index]
-        ids = step.batches[self.rank]
-        rows = [self.dataset[int(i)] for i in ids]
-        lens = np.asarray([len(tokens) for tokens, _ in rows], dtype=np.int64)
-        for i, (tokens, mask), planned in zip(ids, rows, self.dataset.lengths[ids]):
-            if len(tokens) != planned or len(mask) != len(tokens):
-                raise ValueError(f"sample {int(i)}: dataset returned {len(tokens)} ids and "
-                                 f"{len(mask)} mask values, its stored length is {int(planned)}; "
-                                 f"the token store is inconsistent, rebuild it")
-        width = int(lens.max())
-        input_ids = np.zeros((len(rows), width), dtype=np.int64)
-        loss_mask = np.zeros((len(rows), width), dtype=bool)
-        for r, (tokens, mask) in enumerate(rows):
-            input_ids[r, :lens[r]] = tokens
-            loss_mask[r, :lens[r]] = mask
-        loss_mask_t = torch.from_numpy(loss_mask)
-        generator = torch.Generator().manual_seed(step_seed(self.seed, plan.epoch, step_index,
-                                                            self.rank))
-        seq_lens = torch.from_numpy(lens)
-        # seq_lens keeps every anchor (and its first label) inside its row's real tokens.
-        anchors, keep = self.sample_anchors(loss_mask_t, self.num_anchors, self.block_size,
-                                            generator, seq_lens=seq_lens)
-        batch = Batch(input_ids=torch.from_numpy(input_ids), loss_mask=loss_mask_t,
-                      attention_mask=torch.from_numpy(np.arange(width) < lens[:, None]),
-                      seq_lens=seq_lens, anchors=anchors, keep=keep,
-                      sample_ids=np.asarray(ids, dtype=np.int64), bucket=step.bucket,
-                      epoch=plan.epoch, step=step_index, stream_index=index,
-                      num_tokens=int(lens.sum()))
+        """This rank's batch of step ``step_index`` of ``plan`` at stream ``index`` (see
+        :func:`collate`), pinned if ``pin_memory``."""
+        batch = collate(self.dataset, plan, step_index, self.options, stream_index=index)
         return batch.pin_memory() if self.pin_memory else batch
 
     # -- resume ------------------------------------------------------------------------
@@ -277,6 +248,42 @@ class BatchPrefetcher(Stage):
         """Batch statistics since the previous call (see ``_BatchMetrics``)."""
         num_buckets = self._plan.num_buckets if self._plan is not None else 0
         return self._metrics.collect(num_buckets)
+
+
+def collate(dataset: TokenDataset, plan: Plan, step_index: int, options: PrefetchOptions, *,
+            stream_index: int = 0) -> Batch:
+    """Rank ``options.rank``'s batch of step ``step_index`` of ``plan``: its samples
+    right-padded with id 0, masks off on the padding, and up to ``options.num_anchors``
+    anchors from the step's own generator (seeded by seed, epoch, step and rank), so the same
+    step gives the same batch whoever builds it."""
+    step = plan.steps[step_index]
+    ids = step.batches[options.rank]
+    rows = [dataset[int(i)] for i in ids]
+    lens = np.asarray([len(tokens) for tokens, _ in rows], dtype=np.int64)
+    for i, (tokens, mask), planned in zip(ids, rows, dataset.lengths[ids]):
+        if len(tokens) != planned or len(mask) != len(tokens):
+            raise ValueError(f"sample {int(i)}: dataset returned {len(tokens)} ids and "
+                             f"{len(mask)} mask values, its stored length is {int(planned)}; "
+                             f"the token store is inconsistent, rebuild it")
+    width = int(lens.max())
+    input_ids = np.zeros((len(rows), width), dtype=np.int64)
+    loss_mask = np.zeros((len(rows), width), dtype=bool)
+    for r, (tokens, mask) in enumerate(rows):
+        input_ids[r, :lens[r]] = tokens
+        loss_mask[r, :lens[r]] = mask
+    loss_mask_t = torch.from_numpy(loss_mask)
+    generator = torch.Generator().manual_seed(step_seed(options.seed, plan.epoch, step_index,
+                                                        options.rank))
+    seq_lens = torch.from_numpy(lens)
+    # seq_lens keeps every anchor (and its first label) inside its row's real tokens.
+    anchors, keep = sample_anchors(loss_mask_t, options.num_anchors, options.block_size,
+                                   generator, seq_lens=seq_lens)
+    return Batch(input_ids=torch.from_numpy(input_ids), loss_mask=loss_mask_t,
+                 attention_mask=torch.from_numpy(np.arange(width) < lens[:, None]),
+                 seq_lens=seq_lens, anchors=anchors, keep=keep,
+                 sample_ids=np.asarray(ids, dtype=np.int64), bucket=step.bucket,
+                 epoch=plan.epoch, step=step_index, stream_index=stream_index,
+                 num_tokens=int(lens.sum()))
 
 
 class _BatchMetrics:

@@ -183,9 +183,9 @@ class Stage:
 class Supervisor:
     """Starts stages, turns the first failure anywhere into a stop, and re-raises it.
 
-    The main thread either consumes a channel itself (:meth:`iterate`, calling
-    :meth:`check` between steps if it does other work) or waits for stage-only pipelines
-    (:meth:`wait`). Use as a context manager so threads are always joined.
+    The main thread consumes the last channel itself (:meth:`iterate`, calling
+    :meth:`check` between steps if it does other work). Use as a context manager so threads
+    are always joined.
     """
 
     def __init__(self, stop: threading.Event | None = None, *,
@@ -251,21 +251,6 @@ class Supervisor:
             if value is END:
                 return
             yield value
-
-    def wait(self, timeout_s: float | None = None, poll_s: float = 0.05) -> bool:
-        """Block until every stage finished (True) or ``timeout_s`` passed (False).
-
-        Re-raises the first failure as soon as it is recorded.
-        """
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            self.check()
-            if not any(stage.is_alive() for stage in self.stages):
-                self.check()
-                return True
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            time.sleep(poll_s)
 
     def close(self) -> bool:
         """Stop what still runs and join every stage with the timeout; idempotent."""

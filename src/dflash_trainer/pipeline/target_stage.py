@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from dflash_trainer.model.batch import StepInput
 from dflash_trainer.model.target import TargetOutputs
-from dflash_trainer.pipeline.batch import StepInput
 from dflash_trainer.pipeline.channel import Channel
 from dflash_trainer.pipeline.metrics import Metric, Sum
 from dflash_trainer.pipeline.stage import Stage

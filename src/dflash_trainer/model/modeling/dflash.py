@@ -269,6 +269,8 @@ class DFlashDraftModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["DFlashDecoderLayer"]
     _supports_sdpa = True
+    layer_class: type[nn.Module] = DFlashDecoderLayer
+    """The decoder layer; a variant (DFlash2) wraps its sublayers differently."""
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
@@ -285,7 +287,7 @@ class DFlashDraftModel(PreTrainedModel):
         self.target_layer_ids = list(layer_ids)
         self.block_size = int(dflash_value(config, "block_size", 16))
         self.mask_token_id = dflash_value(config, "mask_token_id")
-        self.layers = nn.ModuleList([DFlashDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([self.layer_class(config, i) for i in range(config.num_hidden_layers)])
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -355,6 +357,21 @@ class DFlashDraftModel(PreTrainedModel):
         """Logits of drafter hidden states under the target's LM head."""
         return lm_head(hidden_states.to(lm_head.weight.dtype))
 
+    def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head: nn.Module,
+                temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The drafts of one block from its hidden states ``[1, B-1, H]`` (slots 1..B-1).
+
+        Returns the ``[B-1]`` draft ids and, at ``temperature > 0``, the ``[1, B-1, V]``
+        distributions they were sampled from (for rejection sampling); ``anchor_ids`` ``[1]``
+        (the block's verified first token) is unused here, a variant may condition on it.
+        """
+        del anchor_ids
+        logits = self.compute_logits(hidden, lm_head).float()
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            return torch.multinomial(probs[0], 1)[:, 0], probs
+        return logits[0].argmax(dim=-1), None
+
     @torch.inference_mode()
     def spec_generate(self, target: nn.Module, input_ids: torch.LongTensor, max_new_tokens: int,
                       stop_token_ids: list[int] | None = None, temperature: float = 0.0,
@@ -410,13 +427,7 @@ class DFlashDraftModel(PreTrainedModel):
             positions = torch.arange(start - context.shape[1], start + block, device=device)[None]
             hidden = self(positions, embed(block_ids).to(dtype), context.to(dtype),
                           past_key_values=draft_cache)
-            draft_logits = self.compute_logits(hidden[:, 1:], head).float()
-            draft_probs = None
-            if temperature > 0:
-                draft_probs = torch.softmax(draft_logits / temperature, dim=-1)
-                block_ids[0, 1:] = torch.multinomial(draft_probs[0], 1)[:, 0]
-            else:
-                block_ids[0, 1:] = draft_logits[0].argmax(dim=-1)
+            block_ids[0, 1:], draft_probs = self.propose(hidden[:, 1:], block_ids[:, 0], head, temperature)
             out = target(block_ids, position_ids=positions[:, -block:], use_cache=True,
                          output_hidden_states=True, **{cache_arg: target_cache})
             accepted, bonus = _verify(block_ids[0, 1:], out.logits[0].float(), draft_probs, temperature)

@@ -1,6 +1,6 @@
-"""The drafter training loop: loss -> backward -> clip -> AdamW -> schedule, with metrics.
+"""The drafter's training step: loss -> backward -> clip -> AdamW -> schedule, with metrics.
 
-Runs on the main thread, fed by the target stage's channel. Every statistic stays on the
+Runs on the main thread, called by the trainer for each input the target stage delivers. Every statistic stays on the
 device as a running sum; the only host syncs are in :meth:`get_metrics` (log steps) and in
 the periodic non-finite check, so the GPU queue never drains inside the hot path.
 """
@@ -16,9 +16,9 @@ import torch
 from dflash_trainer.config import TrainingConfig
 from dflash_trainer.distributed import (
     CollectiveTimer, DistInfo, all_reduce_sum, gradient_sync, replicated_value)
+from dflash_trainer.model.batch import Batch, StepInput
 from dflash_trainer.model.loss import LossSums
 from dflash_trainer.optim import LRSchedule
-from dflash_trainer.pipeline.batch import Batch, StepInput
 from dflash_trainer.pipeline.metrics import Max, MeanSpread, Metric, Ratio, Sum
 
 # Window sums on the device, named as the LossSums fields they add up.
@@ -29,8 +29,8 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps had a non-finite loss or gradient norm."""
 
 
-class DrafterTrainLoop:
-    """Owns the optimizer step of the drafter and its windowed training metrics.
+class DrafterStep:
+    """The drafter's training step: owns its optimizer step and its windowed training metrics.
 
     One call of :meth:`train_micro_batch` per micro-batch; every ``grad_accum`` calls make
     one optimizer step. The objective returns sums; the loss backpropagated is the
@@ -84,8 +84,11 @@ class DrafterTrainLoop:
         """Record time spent waiting for the next input (for perf/data_wait_frac)."""
         self._wait_time += seconds
 
-    def train_micro_batch(self, item: StepInput) -> None:
-        """Forward + backward of one micro-batch; steps the optimizer every grad_accum calls."""
+    def train_micro_batch(self, item: StepInput) -> bool:
+        """Forward + backward of one micro-batch; steps the optimizer every grad_accum calls.
+
+        Returns whether this call took an optimizer step.
+        """
         start = time.perf_counter()
         if item.ready is not None:
             stream = torch.cuda.current_stream(self.device)
@@ -110,9 +113,10 @@ class DrafterTrainLoop:
             self._flops += self.flops_fn(batch)
         self.micro_step += 1
         self.last_epoch = batch.epoch
-        if self.micro_step % self.cfg.grad_accum == 0:
+        if last_micro:
             self._optimizer_step()
         self._step_time += time.perf_counter() - start
+        return last_micro
 
     def _accumulate(self, sums: LossSums, batch: Batch) -> None:
         with torch.no_grad():

@@ -1,11 +1,14 @@
-"""What travels through the pipeline: the padded :class:`Batch` (prefetcher -> target stage)
-and the :class:`StepInput` (target stage -> drafter loop)."""
+"""What one training step consumes: the padded :class:`Batch` (the prefetcher builds it, the
+target stage and the objective read it) and the :class:`StepInput` (the batch with the target's
+outputs for it, what the drafter step trains on).
+
+It lives in the model layer so that the objective can read it without importing the pipeline
+that carries it."""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-
 from typing import Any
 
 import numpy as np
@@ -81,7 +84,7 @@ class Batch:
 
 @dataclass(frozen=True, kw_only=True)
 class StepInput:
-    """What the target stage hands the drafter loop: the batch (on the device) and the
+    """What the target stage hands the drafter step: the batch (on the device) and the
     target's outputs for it."""
 
     batch: Batch
