@@ -524,6 +524,17 @@ CASES = [
          _train("model.variant=dflash2", "model.conv_group_size=24"), 2,
          r"config error: model.conv_group_size=24 does not divide the target's hidden size 64; choose a "
          r"divisor of it"),
+    Case("train: a DFlash2 export to warm-start a DFlash drafter",
+         lambda t, d: _train("model.init_from=" + str(export_drafter(build_drafter(
+             ModelConfig(num_layers=1, block_size=4, target_layer_ids=[0, 1], variant="dflash2", selector_rank=4),
+             AutoConfig.from_pretrained(t), mask_token_id=16), d / "dflash2-export")))(t, d), 1,
+         r"checkpoint error: .*dflash2-export holds a DFlash2 drafter \(architectures DFlash2DraftModel\), but a "
+         r"DFlash one \(DFlashDraftModel\) is expected here; warm-start it with model.variant=dflash2"),
+    Case("train: resume a DFlash run's checkpoint as DFlash2",
+         lambda t, d: cli_main(train_args(t, d, make_chat_jsonl(d / "chat.jsonl", num=8))) == 0 and train_args(
+             t, d, d / "chat.jsonl", "checkpoint.resume=auto", "training.max_steps=2", "model.variant=dflash2"), 2,
+         r"checkpoint error: cannot resume: model.variant was 'dflash' in the checkpoint and is 'dflash2' now; "
+         r"resume with the checkpoint's config.yaml"),
 ]
 
 

@@ -28,6 +28,7 @@ ZERO_OK = {
     "data.heldout_samples", "model.mask_token_id", "model.target_layer_ids", "training.seed",
     "training.betas", "training.weight_decay", "training.warmup_ratio", "training.warmup_steps",
     "training.min_lr", "training.noise_std", "training.noise_warmup_steps", "eval.temperature",
+    "training.selector_weight",
 }
 HUGE_OK = {
     # A huge value means something: no clipping, every loss slot weighted the same.
@@ -67,7 +68,7 @@ def _roomy(key: str) -> dict[str, str]:
         room["model.block_size"] = "256"
     if key == "pipeline.tokens_per_batch":
         room["data.max_length"] = "3"
-    if key in ("model.selector_rank", "model.selector_top_k", "model.conv_group_size"):
+    if key in ("model.selector_rank", "model.selector_top_k", "model.conv_group_size", "training.selector_weight"):
         room["model.variant"] = "dflash2"  # DFlash2 options are refused with model.variant=dflash
     return {k: v for k, v in room.items() if k != key}
 

@@ -22,7 +22,7 @@ from dflash_trainer.config import ModelConfig, load_config
 from dflash_trainer.errors import CheckpointError, ConfigError
 from dflash_trainer.model import export
 from dflash_trainer.model.blocks import build_block_inputs, dense_block_mask, position_ids
-from dflash_trainer.model.drafter import build_drafter, drafter_variant
+from dflash_trainer.model.drafter import build_drafter, drafter_variant, initialise_drafter
 from dflash_trainer.model.modeling.dflash import BlockLayout, DFlashDraftModel
 from dflash_trainer.model.modeling.dflash2 import CandidateSelector, DFlash2DraftModel, DynamicDepthwiseConv
 from dflash_trainer.spec_decode import speculative_generate
@@ -223,6 +223,33 @@ def test_eval_and_generate_decode_a_dflash2_export(tiny_folder, tiny_target, tmp
                      "--prompt", "the model drafts tokens", "--check"])
     out = capsys.readouterr().out
     assert code == 0 and "lossless: identical to the target's greedy answer (8 tokens)" in out, out
+
+
+def test_a_dflash_export_warm_starts_a_dflash2_drafter_that_drafts_the_same(tiny_target, tmp_path) -> None:
+    dflash, fresh = _pair(tiny_target)
+    folder = export.export_drafter(dflash, tmp_path / "d1", target_config=tiny_target.config, dtype=torch.float32)
+    cfg = ModelConfig(num_layers=2, block_size=BLOCK, target_layer_ids=[1, 2], variant="dflash2", selector_rank=8,
+                      init_from=str(folder))
+    torch.manual_seed(5)
+    dflash2 = build_drafter(cfg, tiny_target.config, mask_token_id=16)
+    copied = initialise_drafter(dflash2, tiny_target, cfg)
+    assert sorted(copied) == sorted(dflash.state_dict())
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    one = speculative_generate(dflash, tiny_target, ids, max_new_tokens=12, stop_token_ids=[])
+    two = speculative_generate(dflash2.eval(), tiny_target, ids, max_new_tokens=12, stop_token_ids=[])
+    assert [s.drafted for s in two.steps] == [s.drafted for s in one.steps]
+    # A DFlash2 drafter cannot start a DFlash one, nor a drafter reading other target layers.
+    two_folder = export.export_drafter(dflash2, tmp_path / "d2", target_config=tiny_target.config)
+    back = ModelConfig(num_layers=2, block_size=BLOCK, target_layer_ids=[1, 2], init_from=str(two_folder))
+    with pytest.raises(CheckpointError, match=r"d2 holds a DFlash2 drafter .* but a DFlash one \(DFlashDraftModel\) "
+                                              r"is expected here; warm-start it with model.variant=dflash2"):
+        initialise_drafter(build_drafter(back, tiny_target.config, mask_token_id=16), tiny_target, back)
+    other = dataclasses.replace(cfg, target_layer_ids=[0, 2])
+    with pytest.raises(CheckpointError, match=r"model.init_from=.*d1 reads target layers \[1, 2\], this drafter "
+                                              r"\[0, 2\]"):
+        initialise_drafter(build_drafter(other, tiny_target.config, mask_token_id=16), tiny_target, other)
+    with pytest.raises(ConfigError, match="model.init_from and model.drafter_init=target both set"):
+        load_config(None, ["model.init_from=somewhere", "model.drafter_init=target"])
 
 
 # --- export ------------------------------------------------------------------------------------

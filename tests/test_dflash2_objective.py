@@ -122,3 +122,75 @@ def test_identity_selector_walks_the_argmax_and_learns_from_the_first_step() -> 
     assert sums.path_correct_per_slot.tolist() == (weights > 0).sum(dim=(0, 1)).tolist()
     sums.loss.backward()
     assert selector.successor_codebook.grad.abs().sum() > 0
+
+
+def _objective_inputs():
+    from dflash_trainer.model.batch import Batch
+    from dflash_trainer.model.target import TargetOutputs
+
+    torch.manual_seed(4)
+    seq = 16
+    input_ids = torch.randint(5, V, (2, seq))
+    loss_mask = torch.ones(2, seq, dtype=torch.bool)
+    anchors = torch.tensor([[1, 4, 9], [0, 6, 11]])
+    batch = Batch.of_rows(input_ids, loss_mask, anchors=anchors, keep=torch.ones(2, 3, dtype=torch.bool))
+    return batch, TargetOutputs(features=torch.randn(2, seq, H))
+
+
+@pytest.mark.parametrize("weight", [0.5, 0.0])
+def test_objective_adds_the_weighted_selector_loss_and_reports_its_metrics(weight: float) -> None:
+    from dflash_trainer.model.objective import DFlashObjective
+
+    target = LlamaConfig(hidden_size=H, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, vocab_size=V)
+    torch.manual_seed(5)
+    model = build_drafter(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[1], variant="dflash2",
+                                      selector_rank=8, selector_top_k=TOP_K), target, mask_token_id=3)
+    embed = torch.randn(V, H)
+    objective = DFlashObjective(model, embed, embed, gamma=None, loss_chunk_size=5, loss_slots=2,
+                                selector_weight=weight, selector_missing="insert")
+    batch, outputs = _objective_inputs()
+    sums = objective(batch, outputs, step=0)
+    assert sums.selector_loss is not None and sums.candidates is None
+    torch.testing.assert_close(sums.objective(), sums.loss + weight * sums.selector_loss)
+    assert 0 <= int(sums.in_top_k) <= int(sums.count) and sums.path_correct_per_slot.shape == (2,)
+    assert int(sums.blocks) <= int(sums.path_accepted) <= 3 * int(sums.blocks)
+    sums.objective().backward()
+    grads = [p.grad for p in model.candidate_selector.parameters()]
+    if weight:
+        # From the identity start only the successor codebook moves (the pair terms are 0).
+        assert all(g is not None for g in grads) and model.candidate_selector.successor_codebook.grad.abs().sum() > 0
+    else:
+        assert all(g is None for g in grads) and not any(p.requires_grad for p in model.candidate_selector.parameters())
+    # A DFlash drafter's objective has no selector term.
+    plain = build_drafter(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[1]), target, mask_token_id=3)
+    sums = DFlashObjective(plain, embed, embed, gamma=None, loss_chunk_size=5)(batch, outputs, step=0)
+    assert sums.selector_loss is None and sums.objective() is sums.loss
+
+
+def test_a_dflash2_run_logs_the_selector_reports_it_exports_dflash2_and_resumes(tmp_path) -> None:
+    import json
+
+    from helpers_e2e import make_chat_jsonl, make_tiny_target, tiny_run_overrides
+
+    from dflash_trainer.cli import main as cli_main
+
+    target = make_tiny_target(tmp_path / "target", layers=3)
+    run = tmp_path / "run"
+    args = [a for a in tiny_run_overrides(target=target, data=make_chat_jsonl(tmp_path / "chat.jsonl", num=16),
+                                          cache=tmp_path / "cache", run_dir=run) if not a.startswith("training.epochs")]
+    args += ["model.block_size=4", "model.variant=dflash2", "model.selector_rank=8", "training.selector_weight=0.5",
+             "training.selector_missing=insert", "eval.num_prompts=1", "eval.max_new_tokens=8"]
+    assert cli_main(["train", *args, "training.max_steps=2"]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "train/candidate_recall" in r]
+    assert len(logged) == 2
+    for key in ("train/candidate_recall", "train/tau_sim_selector", "train/selector_loss", "train/acc_sel_pos/1",
+                "train/acc_sel_pos/3"):
+        assert all(0 <= r[key] < 1e3 for r in logged), key
+    assert 1.0 <= logged[-1]["train/tau_sim_selector"] <= 4.0
+    config = json.loads((run / "drafter" / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"]["selector_rank"] == 8
+    assert "final tau_sim_selector (DFlash2)" in (run / "report" / "index.html").read_text()
+    assert cli_main(["train", *args, "training.max_steps=3", "checkpoint.resume=auto"]) == 0
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["train/step"] == 3

@@ -192,6 +192,12 @@ class ModelConfig:
     conv_group_size: int | None = ranged(None, ge=1, le=65536,
                                          none="for 16 (model.variant: dflash2 only)")
     """DFlash2: channels that share one dynamic kernel coefficient; must divide the hidden size."""
+    init_from: str | None = None
+    """Warm start: an exported drafter folder or a training checkpoint (``step-N``) whose
+    weights start the drafter (the run's own ``checkpoint.resume`` still wins). A DFlash
+    drafter warm-starts a DFlash2 one: its backbone is copied, the convolutions and the
+    selector start at identity, so it first drafts what the DFlash drafter drafts. Needs the
+    same target layers and layer sizes; excludes ``model.drafter_init`` other than random."""
 
 
 @dataclass(kw_only=True)
@@ -249,6 +255,14 @@ class TrainingConfig:
     """Ramp the noise linearly from 0 to ``noise_std`` over this many steps."""
     max_nonfinite_steps: int = ranged(10, ge=1, le=COUNT_MAX)
     """Stop after this many consecutive steps with a non-finite loss or gradient norm."""
+    selector_weight: float | None = ranged(None, ge=0, le=1000, none="for 1 (model.variant: dflash2 only)")
+    """DFlash2: weight of the candidate selector's loss (cross-entropy over each slot's top-k
+    candidates given the true previous token) added to the full-vocabulary loss; 0 trains the
+    backbone alone (the selector then keeps its initialisation)."""
+    selector_missing: Literal["exclude", "insert"] | None = None
+    """DFlash2: a label outside the slot's candidates is left out of the selector loss
+    (``exclude``, the default) or replaces the lowest candidate in that loss only
+    (``insert``)."""
 
 
 @dataclass(kw_only=True)
@@ -439,12 +453,18 @@ def validate(cfg: Config) -> None:
         checks.append((list(bounds) == sorted(set(bounds)) and len(bounds) > 0,
                        "pipeline.bucket_boundaries must be strictly increasing"))
     if cfg.model.variant != "dflash2":
-        dflash2_only = [f"model.{name}" for name in ("selector_rank", "selector_top_k", "conv_group_size")
-                        if getattr(cfg.model, name) is not None]
+        dflash2_only = [f"{section}.{name}" for section, name in (
+            ("model", "selector_rank"), ("model", "selector_top_k"), ("model", "conv_group_size"),
+            ("training", "selector_weight"), ("training", "selector_missing"))
+            if getattr(getattr(cfg, section), name) is not None]
         are = "is a DFlash2 option" if len(dflash2_only) == 1 else "are DFlash2 options"
         checks.append((not dflash2_only,
                        f"{', '.join(dflash2_only)} {are}, but model.variant is {cfg.model.variant}; "
                        f"set model.variant=dflash2 or remove {'it' if len(dflash2_only) == 1 else 'them'}"))
+    if cfg.model.init_from is not None:
+        checks.append((cfg.model.drafter_init == "random",
+                       f"model.init_from and model.drafter_init={cfg.model.drafter_init} both set the drafter's "
+                       "first weights; set only one"))
     ids = cfg.model.target_layer_ids
     if ids is not None:
         checks.append((len(ids) > 0, "model.target_layer_ids must be a non-empty list of layer indices >= 0"))
@@ -612,10 +632,12 @@ def _removed_keys(raw: dict[str, Any]) -> None:
 
 def upgrade_saved_config(saved: dict[str, Any]) -> dict[str, Any]:
     """A config dict saved by an earlier version (a checkpoint's), in today's keys:
-    ``model.init_from_target: true`` is ``model.drafter_init: last_layers``."""
+    ``model.init_from_target: true`` is ``model.drafter_init: last_layers``; a config from
+    before ``model.variant`` describes a DFlash drafter."""
     model = dict(saved.get("model") or {})
     if model.pop("init_from_target", False):
         model["drafter_init"] = "last_layers"
+    model.setdefault("variant", "dflash")
     return {**saved, "model": model}
 
 

@@ -30,6 +30,7 @@ from dflash_trainer.config import Config
 from dflash_trainer.data.tokenize import render_prompt
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.evaluate import EvalError, EvalPrompt, load_models, read_prompt_file
+from dflash_trainer.speedup import PairedTimer, SpeedupMeasurement
 from dflash_trainer.spec_decode import (Decoded, Span, end_of_turn_ids, first_mismatch, speculative_generate,
                                         target_generate)
 
@@ -110,6 +111,8 @@ class Answer:
     baseline: Decoded
     checked: bool
     """Whether a lossless check was asked for and applies (greedy decoding)."""
+    speedup: SpeedupMeasurement
+    """The two decodes' speed ratio, measured back to back, with its reliability."""
 
     @property
     def tau(self) -> float | None:
@@ -126,19 +129,23 @@ class Answer:
 def generate_answer(drafter: nn.Module, target: nn.Module, tokenizer: Any, messages: list[dict[str, str]], *,
                     max_new_tokens: int, temperature: float, stop_token_ids: Sequence[int],
                     on_span: Callable[[Span], None] | None = None, check: bool = False,
-                    thinking: bool = False) -> Answer:
+                    thinking: bool = False, timer: PairedTimer | None = None) -> Answer:
     """Answer the last user message of ``messages`` speculatively (streaming spans to
-    ``on_span``), then decode it with the target alone for the speed comparison and the check."""
+    ``on_span``), then decode it with the target alone, back to back under the same threads
+    (:class:`~dflash_trainer.speedup.PairedTimer`), for the speed comparison and the check."""
     device = next(target.parameters()).device
     ids = torch.tensor([render_prompt(tokenizer, messages, thinking=thinking)], device=device)
-    with torch.no_grad():
-        spec = speculative_generate(drafter, target, ids, max_new_tokens=max_new_tokens,
-                                    stop_token_ids=stop_token_ids, temperature=temperature, on_span=on_span)
-        baseline = target_generate(target, ids, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids,
-                                   temperature=temperature)
+    with torch.no_grad(), (timer or PairedTimer()).run(speculative_first=True) as run:
+        baseline, spec, _ = run.pair(
+            lambda clock: target_generate(target, ids, max_new_tokens=max_new_tokens,
+                                          stop_token_ids=stop_token_ids, temperature=temperature, clock=clock),
+            lambda clock: speculative_generate(drafter, target, ids, max_new_tokens=max_new_tokens,
+                                               stop_token_ids=stop_token_ids, temperature=temperature,
+                                               on_span=on_span, clock=clock))
     stops = set(stop_token_ids)
     text = tokenizer.decode([t for t in spec.tokens if t not in stops], skip_special_tokens=True)
-    return Answer(text=text, spec=spec, baseline=baseline, checked=check and temperature <= 0)
+    return Answer(text=text, spec=spec, baseline=baseline, checked=check and temperature <= 0,
+                  speedup=run.measurement)
 
 
 def _rate(decoded: Decoded) -> float | None:
@@ -158,8 +165,9 @@ def summary_lines(answer: Answer, block_size: int) -> list[str]:
             bar = "#" * max(1, round(30 * count / widest))
             lines.append(f"  {k:>2} tokens/step {count:>4}  {bar}")
     spec_rate, base_rate = _rate(answer.spec), _rate(answer.baseline)
-    speed = (f"speculative {spec_rate:.1f}, target-only {base_rate:.1f}, speedup {spec_rate / base_rate:.2f}x"
-             if spec_rate and base_rate else "too few tokens to time")
+    speed = (f"speculative {spec_rate:.1f}, target-only {base_rate:.1f}, "
+             f"speedup {answer.speedup.label()} (back to back)" if spec_rate and base_rate
+             else "too few tokens to time")
     lines.append(f"decode tokens/s (prefill excluded): {speed}")
     if answer.checked:
         pos = answer.mismatch

@@ -256,8 +256,12 @@ def _plot_acc_pos(path: Path, log: MetricsLog) -> None:
         return
     fig, ax = _figure("Accuracy per block slot", ylabel="accuracy")
     cmap = matplotlib.colormaps["viridis"]
+    selector = log.family(r"train/acc_sel_pos/(\d+)")  # DFlash2: the selector's path, dashed
     for i, (k, (steps, values)) in enumerate(slots.items()):
         ax.plot(steps, values, color=cmap(i / max(1, len(slots) - 1)), label=f"slot {k}")
+        if k in selector:
+            ax.plot(*selector[k], color=cmap(i / max(1, len(slots) - 1)), linestyle="--",
+                    label=f"slot {k}, selector path")
     steps, values = log.series("train/acc")
     if steps:
         ax.plot(steps, values, color="black", linewidth=2.0, label="mean (train/acc)")
@@ -271,7 +275,9 @@ def _plot_grad_norm(path: Path, log: MetricsLog) -> None:
     if not series:
         _no_data(path, "Gradient norm", "train/grad_norm, train/grad_norm_max")
         return
-    skipped = [s for s, v in zip(*log.series("train/skipped_nonfinite")) if v > 0]
+    # A running total: a window skipped steps where the total grew.
+    steps_logged, totals = log.series("train/skipped_nonfinite")
+    skipped = [s for s, v, before in zip(steps_logged, totals, [0.0, *totals]) if v > before]
     title = "Gradient norm" + (" (red: windows with steps skipped as non-finite)"
                                if skipped else "")
     fig, ax = _figure(title, ylabel="L2 norm before clipping")
@@ -293,6 +299,9 @@ def _plot_tau(path: Path, log: MetricsLog, evals: list[EvalResult]) -> None:
     fig, ax = _figure("Acceptance length (tau)", ylabel="tau")
     if sim[0]:
         ax.plot(*sim, label="train/tau_sim (simulated, training batches)")
+    selector = log.series("train/tau_sim_selector")
+    if selector[0]:
+        ax.plot(*selector, label="train/tau_sim_selector (DFlash2 selector's path, training batches)")
     if ev[0]:
         ax.plot(*ev, marker="o", linestyle="--", label="eval/tau (in training)")
     greys = ("#555555", "#999999", "#bbbbbb")
@@ -480,7 +489,7 @@ def summarize(log: MetricsLog, evals: list[EvalResult],
         eval_tau = _fmt(log.last("eval/tau"))
     wall = (None if log.first_time is None or log.last_time is None
             else log.last_time - log.first_time)
-    skipped = sum(log.series("train/skipped_nonfinite")[1])
+    skipped = max(log.series("train/skipped_nonfinite")[1], default=0)  # a running total
     runs = log.series("data/max_same_bucket_run")[1]
     pipeline = (config or {}).get("pipeline") or {}
     longest = _fmt(max(runs) if runs else None, "{:.0f}")
@@ -501,6 +510,10 @@ def summarize(log: MetricsLog, evals: list[EvalResult],
         ("steps skipped (non-finite)", _fmt(skipped, "{:.0f}")),
         ("longest same-bucket run", longest),
     ]
+    if log.last("train/tau_sim_selector") is not None:
+        at = rows.index(("final tau_sim", _fmt(log.last("train/tau_sim")))) + 1
+        rows[at:at] = [("final tau_sim_selector (DFlash2)", _fmt(log.last("train/tau_sim_selector"))),
+                       ("final candidate_recall (DFlash2)", _fmt(log.last("train/candidate_recall")))]
     if log.rewinds:
         rows.append(("resumes that re-ran logged steps", str(log.rewinds)))
     if log.bad_lines:

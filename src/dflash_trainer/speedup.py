@@ -263,8 +263,10 @@ def describe_measurement(fields: Any) -> str:
 class TimingRun:
     """One run of paired timings under a fixed thread count; made by :meth:`PairedTimer.run`."""
 
-    def __init__(self, *, clock: Clock, threads: int, cpus: int, before: LoadSample) -> None:
+    def __init__(self, *, clock: Clock, threads: int, cpus: int, before: LoadSample,
+                 speculative_first: bool = False) -> None:
         self.clock = clock
+        self.speculative_first = speculative_first
         self.threads = threads
         self.cpus = cpus
         self.before = before
@@ -274,11 +276,12 @@ class TimingRun:
     def pair(self, target: Callable[[Clock], Decoded],
              speculative: Callable[[Clock], Decoded]) -> tuple[Decoded, Decoded, PairedTiming]:
         """Run the target-only arm and the speculative arm of one prompt back to back, the
-        target first on even pairs; each arm gets the run's clock and returns its decode."""
+        target first on even pairs (odd ones with ``speculative_first``); each arm gets the
+        run's clock and returns its decode."""
         import torch
 
         assert self._measurement is None, "the run is closed"
-        target_first = len(self.timings) % 2 == 0
+        target_first = (len(self.timings) % 2 == 0) != self.speculative_first
         results: dict[str, Decoded] = {}
         for name in (("target", "spec") if target_first else ("spec", "target")):
             # The same thread count for both arms, whatever ran in between.
@@ -315,7 +318,7 @@ class PairedTimer:
     probe: MachineProbe = field(default_factory=MachineProbe)
 
     @contextmanager
-    def run(self) -> Iterator[TimingRun]:
+    def run(self, *, speculative_first: bool = False) -> Iterator[TimingRun]:
         """Sample the load, set the torch threads, yield a :class:`TimingRun`; afterwards sample
         the load again, close the run and restore the previous thread count."""
         import torch
@@ -326,7 +329,8 @@ class PairedTimer:
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            run = TimingRun(clock=self.clock, threads=threads, cpus=cpus, before=before)
+            run = TimingRun(clock=self.clock, threads=threads, cpus=cpus, before=before,
+                            speculative_first=speculative_first)
             yield run
             run.close(LoadSample.read(self.probe))
         finally:

@@ -37,6 +37,7 @@ from dflash_trainer.errors import ConfigError, UserError
 from dflash_trainer.fsutil import disk_error, step_of
 from dflash_trainer.locks import FolderLock, run_folder_lock
 from dflash_trainer.model.batch import Batch
+from dflash_trainer.model.drafter import drafter_class
 from dflash_trainer.model.export import check_fits_target, export_drafter, read_drafter_config
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
 from dflash_trainer.pipeline.drafter_step import DrafterStep
@@ -482,7 +483,7 @@ class Trainer:
             # Built on the meta device: a CPU build would draw its random init from the global
             # RNG, concurrently with the training thread, and change the run's random stream.
             with torch.device("meta"):
-                model = DFlashDraftModel(drafter_config)
+                model = drafter_class(drafter_config)(drafter_config)
             model.load_state_dict(state["drafter"], assign=True)
             export_drafter(model, path, target_config=target_config)
 
@@ -620,7 +621,7 @@ class Trainer:
             return
         drafter = self.drafter
         if sharded_state is not None:
-            drafter = DFlashDraftModel(self.drafter.config)
+            drafter = drafter_class(self.drafter.config)(self.drafter.config)
             drafter.load_state_dict(sharded_state)
         out = export_drafter(drafter, self.run_dir / "drafter", target_config=self.target.config)
         best = ""

@@ -18,10 +18,16 @@ __all__ = ["LossSums", "chunked_head_loss", "dflash_loss", "reference_head_loss"
 
 
 def _chunk_terms(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
-                 soft_hidden: torch.Tensor | None,
-                 need_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Per-slot loss, top-1 correctness and ``w * d(loss)/d(logits)`` (if needed) for one chunk."""
+                 soft_hidden: torch.Tensor | None, need_grad: bool,
+                 top: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Per-slot loss, top-1 correctness and ``w * d(loss)/d(logits)`` (if needed) for one chunk;
+    with ``top`` (value and id tensors ``[chunk, k]``), also the chunk's top-k logits."""
     logits = hidden.to(head_weight.dtype) @ head_weight.T
+    if top is not None:
+        values, ids = logits.topk(top[0].shape[1], dim=-1)
+        top[0].copy_(values)
+        top[1].copy_(ids)
     if soft_hidden is None:
         correct = logits.argmax(dim=-1) == labels
         # Fused upcast + log_softmax, then w * softmax in place (log 0 = -inf gives exact zeros).
@@ -52,29 +58,32 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
                 weights: torch.Tensor, soft_hidden: torch.Tensor | None,
-                chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                chunk_size: int, top_k: int) -> tuple[torch.Tensor, ...]:
         need_grad = ctx.needs_input_grad[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        top_values = torch.empty(hidden.shape[0], top_k, dtype=head_weight.dtype, device=hidden.device)
+        top_ids = torch.empty(hidden.shape[0], top_k, dtype=torch.long, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         for start in range(0, hidden.shape[0], chunk_size):
             end = start + chunk_size
             w = weights[start:end]
             soft = None if soft_hidden is None else soft_hidden[start:end]
+            top = (top_values[start:end], top_ids[start:end]) if top_k else None
             loss, hits, grad_logits = _chunk_terms(hidden[start:end], head_weight, labels[start:end], w,
-                                                   soft, need_grad)
+                                                   soft, need_grad, top)
             total += (w * loss).sum()
             correct[start:end] = hits
             if need_grad:
                 grad_hidden[start:end] = (grad_logits.to(head_weight.dtype) @ head_weight).to(hidden.dtype)
-        ctx.mark_non_differentiable(correct)
+        ctx.mark_non_differentiable(correct, top_values, top_ids)
         ctx.save_for_backward(grad_hidden)
-        return total, correct
+        return total, correct, top_values, top_ids
 
     @staticmethod
-    def backward(ctx, grad_total: torch.Tensor, grad_correct: torch.Tensor):
+    def backward(ctx, grad_total: torch.Tensor, *_unused: torch.Tensor):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None
+        return grad_hidden * grad_total.to(grad_hidden.dtype), None, None, None, None, None, None
 
 
 def chunked_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
@@ -91,7 +100,9 @@ def chunked_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: t
                          "computes no gradient for it")
     if chunk_size < 1:
         raise ValueError(f"training.loss_chunk_size must be >= 1, got {chunk_size}")
-    return _ChunkedHeadLoss.apply(hidden, head_weight, labels, weights.float(), soft_hidden, chunk_size)
+    total, correct, _, _ = _ChunkedHeadLoss.apply(hidden, head_weight, labels, weights.float(), soft_hidden,
+                                                  chunk_size, 0)
+    return total, correct
 
 
 def reference_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
@@ -137,15 +148,45 @@ class LossSums:
     """Sum over kept blocks of 1 + the number of leading correct supervised slots."""
     blocks: torch.Tensor
     """Kept (real) blocks."""
+    candidates: tuple[torch.Tensor, torch.Tensor] | None = None
+    """With ``dflash_loss(top_k=k)``: the top-k logits and their token ids ``[B, N, K, k]`` of
+    every supervised slot (no gradient), for the DFlash2 selector; not a sum."""
+    selector_loss: torch.Tensor | None = None
+    """DFlash2: ``sum_i w_i * CE_i`` of the candidate selector (differentiable; the objective
+    adds it, times ``training.selector_weight``, to :attr:`loss` in :meth:`objective`)."""
+    selector_weight: float = 0.0
+    """The factor of :attr:`selector_loss` in :meth:`objective`."""
+    in_top_k: torch.Tensor | None = None
+    """DFlash2: supervised slots whose label is among the candidates."""
+    path_correct_per_slot: torch.Tensor | None = None
+    """DFlash2: ``[K]`` supervised slots where the selector's greedy path is the label."""
+    path_accepted: torch.Tensor | None = None
+    """DFlash2: sum over kept blocks of 1 + the leading correct slots of the selector's path."""
 
     def mean_loss(self) -> torch.Tensor:
         """``loss / weight``: the micro-batch's own weighted mean (0 when nothing is supervised)."""
         return self.loss / self.weight.clamp_min(1e-6)
 
+    def objective(self) -> torch.Tensor:
+        """What training minimises (before the division by the weight): :attr:`loss`, plus
+        ``selector_weight *`` :attr:`selector_loss` for DFlash2."""
+        if self.selector_loss is None:
+            return self.loss
+        return self.loss + self.selector_weight * self.selector_loss
+
+
+def slot_rows(block_hidden: torch.Tensor, num: int, slots: int) -> torch.Tensor:
+    """``[B, N, K, H]``: the rows of block slots 1..K in ``[B, N*Bk, H]`` (whole blocks) or
+    ``[B, N*K, H]`` (the drafter's ``output_slots=K``; since K < Bk, the row count tells)."""
+    batch = block_hidden.shape[0]
+    rows = block_hidden.shape[1] // num
+    first = 0 if rows == slots else 1
+    return block_hidden.view(batch, num, rows, -1)[:, :, first:first + slots]
+
 
 def dflash_loss(block_hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
                 weights: torch.Tensor, keep: torch.Tensor, *, chunk_size: int,
-                soft_hidden: torch.Tensor | None = None) -> LossSums:
+                soft_hidden: torch.Tensor | None = None, top_k: int = 0) -> LossSums:
     """Decay-weighted loss over block slots 1..K (K <= B-1) and the metric sums of the same pass.
 
     Args:
@@ -159,22 +200,29 @@ def dflash_loss(block_hidden: torch.Tensor, head_weight: torch.Tensor, labels: t
         chunk_size: slots per LM-head chunk.
         soft_hidden: ``[B, N, K, H]`` target final hidden states at positions ``a + k - 1``
             for KL distillation; None for hard labels.
+        top_k: also return each slot's top-k logits (:attr:`LossSums.candidates`).
 
     Returns:
-        :class:`LossSums`; the top-1 predictions come from the loss chunks already in memory.
+        :class:`LossSums`; the top-1 (and top-k) predictions come from the loss chunks already
+        in memory.
     """
     batch, num, slots = labels.shape
-    rows = block_hidden.shape[1] // num
-    # K < Bk, so K rows per block are the selected slots and Bk rows a whole block.
-    first = 0 if rows == slots else 1
-    hidden = block_hidden.view(batch, num, rows, -1)[:, :, first:first + slots].reshape(batch * num * slots, -1)
+    hidden = slot_rows(block_hidden, num, slots).reshape(batch * num * slots, -1)
     soft = None if soft_hidden is None else soft_hidden.reshape(batch * num * slots, -1)
-    total, correct = chunked_head_loss(hidden, head_weight, labels.reshape(-1), weights.reshape(-1),
-                                       chunk_size, soft)
+    if head_weight.requires_grad:
+        raise ValueError("the target LM head must be frozen (requires_grad=False): the chunked loss "
+                         "computes no gradient for it")
+    if chunk_size < 1:
+        raise ValueError(f"training.loss_chunk_size must be >= 1, got {chunk_size}")
+    total, correct, top_values, top_ids = _ChunkedHeadLoss.apply(
+        hidden, head_weight, labels.reshape(-1), weights.reshape(-1).float(), soft, chunk_size, top_k)
     supervised = weights > 0
     hits = correct.view(batch, num, slots) & supervised
     leading = hits.long().cumprod(dim=-1).sum(dim=-1)
+    candidates = None
+    if top_k:
+        candidates = (top_values.view(batch, num, slots, top_k), top_ids.view(batch, num, slots, top_k))
     return LossSums(loss=total, weight=weights.float().sum(), correct=hits.sum(),
                     count=supervised.sum(), correct_per_slot=hits.sum(dim=(0, 1)),
                     count_per_slot=supervised.sum(dim=(0, 1)),
-                    accepted=((leading + 1) * keep).sum(), blocks=keep.sum())
+                    accepted=((leading + 1) * keep).sum(), blocks=keep.sum(), candidates=candidates)

@@ -3,10 +3,15 @@
 :class:`DFlashObjective` owns the drafter and borrows the target's frozen embedding and LM
 head. The train loop calls ``objective(batch, target, step)`` and backpropagates the loss sum
 divided by the weight summed over every rank.
+
+A DFlash2 drafter adds its candidate selector's loss (:mod:`dflash_trainer.model.selector`),
+times ``training.selector_weight``, on the candidates the full-vocabulary loss's chunks already
+ranked, and the selector's metrics.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Literal
 
 import torch
@@ -17,8 +22,9 @@ from dflash_trainer.config import Config, default_gamma
 from dflash_trainer.model.batch import Batch
 from dflash_trainer.model.blocks import (build_block_inputs, dense_block_mask, flex_block_mask,
                                          label_positions, labels_and_weights, position_ids)
-from dflash_trainer.model.loss import LossSums, dflash_loss
+from dflash_trainer.model.loss import LossSums, dflash_loss, slot_rows
 from dflash_trainer.model.modeling.dflash import BlockLayout, DFlashDraftModel
+from dflash_trainer.model.selector import selector_terms
 from dflash_trainer.model.target import TargetOutputs
 
 __all__ = ["DFlashObjective", "noise_scale"]
@@ -44,7 +50,8 @@ class DFlashObjective(nn.Module):
                  gamma: float | None, loss_chunk_size: int, loss_slots: int | None = None,
                  labels: Literal["data", "target_greedy", "kl"] = "data",
                  attention: Literal["auto", "sdpa", "blockwise", "flex"] = "auto",
-                 noise_std: float = 0.0, noise_warmup_steps: int = 0) -> None:
+                 noise_std: float = 0.0, noise_warmup_steps: int = 0, selector_weight: float = 1.0,
+                 selector_missing: Literal["exclude", "insert"] = "exclude") -> None:
         super().__init__()
         if embed_weight.requires_grad or head_weight.requires_grad:
             raise ValueError("the target embedding and LM head must be frozen (requires_grad=False)")
@@ -64,6 +71,13 @@ class DFlashObjective(nn.Module):
         self.attention = attention
         self.noise_std = noise_std
         self.noise_warmup_steps = noise_warmup_steps
+        self.selector_weight = selector_weight
+        self.selector_missing = selector_missing
+        selector = getattr(drafter, "candidate_selector", None)
+        if selector is not None and selector_weight == 0:
+            # Untrained, so not an optimizer (or DDP) parameter: DDP refuses parameters
+            # that get no gradient.
+            selector.requires_grad_(False)
 
     @classmethod
     def from_config(cls, drafter: DFlashDraftModel, embed_weight: torch.Tensor, head_weight: torch.Tensor,
@@ -74,7 +88,9 @@ class DFlashObjective(nn.Module):
         return cls(drafter, embed_weight, head_weight, gamma=gamma, loss_chunk_size=t.loss_chunk_size,
                    loss_slots=t.loss_slots,
                    labels=t.labels, attention=cfg.model.attention, noise_std=t.noise_std,
-                   noise_warmup_steps=t.noise_warmup_steps)
+                   noise_warmup_steps=t.noise_warmup_steps,
+                   selector_weight=1.0 if t.selector_weight is None else t.selector_weight,
+                   selector_missing=t.selector_missing or "exclude")
 
     def noise_scale(self, step: int) -> float:
         """Std of the Gaussian noise added to the target features at ``step``."""
@@ -132,8 +148,21 @@ class DFlashObjective(nn.Module):
             prev = label_positions(anchors, slots, final_hidden.shape[1], shift=-1).flatten(1)
             soft_hidden = final_hidden.gather(1, prev[..., None].expand(-1, -1, final_hidden.shape[-1]))
             soft_hidden = soft_hidden.view(*labels.shape, -1)
-        return dflash_loss(hidden, self.head_weight, labels, weights, keep,
-                           chunk_size=self.loss_chunk_size, soft_hidden=soft_hidden)
+        selector = getattr(self.drafter, "candidate_selector", None)
+        sums = dflash_loss(hidden, self.head_weight, labels, weights, keep, chunk_size=self.loss_chunk_size,
+                           soft_hidden=soft_hidden, top_k=0 if selector is None else selector.top_k)
+        if selector is None:
+            return sums
+        assert sums.candidates is not None
+        values, ids = sums.candidates
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.selector_weight > 0):
+            terms = selector_terms(selector, slot_rows(hidden, anchors.shape[1], slots), self.head_weight, ids,
+                                   values, labels, weights, input_ids.gather(1, anchors), keep,
+                                   missing=self.selector_missing, chunk_size=self.loss_chunk_size)
+        return dataclasses.replace(sums, candidates=None, selector_loss=terms.loss,
+                                   selector_weight=self.selector_weight, in_top_k=terms.in_top_k,
+                                   path_correct_per_slot=terms.path_correct_per_slot,
+                                   path_accepted=terms.path_accepted)
 
 
 def _required(value: torch.Tensor | None, name: str) -> torch.Tensor:

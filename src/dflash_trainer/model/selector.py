@@ -118,7 +118,7 @@ def selector_terms(selector: CandidateSelector, hidden: torch.Tensor, head_weigh
         used = weights * in_top
     else:
         raise ValueError(f"missing must be 'exclude' or 'insert', got {missing!r}")
-    predecessors = torch.cat([labels[..., :1], labels[..., :-1]], dim=-1)
+    predecessors = torch.cat([anchor_ids[..., None], labels[..., :-1]], dim=-1)
     rows = hidden.reshape(-1, hidden.shape[-1])
     logits = gathered_logits(rows, head_weight, scored.reshape(-1, top_k), chunk_size)
     scores = selector.pair_scores(rows, logits, scored.reshape(-1, top_k), predecessors.reshape(-1))

@@ -23,6 +23,8 @@ from dflash_trainer.pipeline.metrics import Max, MeanSpread, Metric, Ratio, Sum
 
 # Window sums on the device, named as the LossSums fields they add up.
 _LOSS_SUMS = ("loss", "weight", "correct", "count", "accepted", "blocks")
+# The same for a DFlash2 drafter's candidate selector (None for DFlash).
+_SELECTOR_SUMS = ("selector_loss", "in_top_k", "path_accepted")
 
 
 class NonFiniteError(RuntimeError):
@@ -63,9 +65,11 @@ class DrafterStep:
         slots = cfg.loss_slots or block_size - 1
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, device=self.device, dtype=torch.float64)
-        self._sums = {name: zeros() for name in (*_LOSS_SUMS, "grad_norm", "skipped")}
+        self._sums = {name: zeros() for name in (*_LOSS_SUMS, *_SELECTOR_SUMS, "grad_norm", "skipped")}
         self._slot_correct = zeros(slots)
         self._slot_count = zeros(slots)
+        self._path_correct = zeros(slots)
+        self._has_selector = False
         self._tokens = 0
         self._samples = 0
         # (weighted loss sum, weight sum) since the last checkpoint, for "best" checkpoints.
@@ -107,7 +111,7 @@ class DrafterStep:
             # average gradients over ranks, hence the world_size factor.
             global_weight = self._weight_reduce.all_reduce_sum(sums.weight.detach().clone())
             scale = self.dist.world_size / (global_weight.clamp_min(1e-6) * self.cfg.grad_accum)
-            (sums.loss * scale).backward()
+            (sums.objective() * scale).backward()
         self._accumulate(sums, batch)
         if self.flops_fn is not None:
             self._flops += self.flops_fn(batch)
@@ -132,6 +136,13 @@ class DrafterStep:
                 self._sums[name] += getattr(sums, name).double()
             self._slot_correct += sums.correct_per_slot.double()
             self._slot_count += sums.count_per_slot.double()
+            if sums.selector_loss is not None:
+                self._has_selector = True
+                selector_loss = sums.selector_loss.detach().double()
+                self._sums["selector_loss"] += torch.where(torch.isfinite(selector_loss), selector_loss, 0)
+                self._sums["in_top_k"] += sums.in_top_k.double()
+                self._sums["path_accepted"] += sums.path_accepted.double()
+                self._path_correct += sums.path_correct_per_slot.double()
         self._tokens += batch.num_tokens
         self._samples += batch.seq_lens.numel()
 
@@ -188,12 +199,13 @@ class DrafterStep:
         window = max(now - self._window_start, 1e-9)
         packed = torch.cat([torch.stack([self._sums[k] for k in self._sums]),
                             self._grad_norm_max[None], self._slot_correct,
-                            self._slot_count]).tolist()
+                            self._slot_count, self._path_correct]).tolist()
         sums = dict(zip(self._sums, packed))
         grad_norm_max = packed[len(sums)]
         slots = len(self._slot_correct)
         slot_correct = packed[len(sums) + 1:len(sums) + 1 + slots]
-        slot_count = packed[len(sums) + 1 + slots:]
+        slot_count = packed[len(sums) + 1 + slots:len(sums) + 1 + 2 * slots]
+        path_correct = packed[len(sums) + 1 + 2 * slots:]
         steps = max(self._window_steps, 1)
         good_steps = max(self._window_steps - sums["skipped"], 1)
         self.total_skipped += int(sums["skipped"])
@@ -213,6 +225,12 @@ class DrafterStep:
         }
         for k, (c, n) in enumerate(zip(slot_correct, slot_count), start=1):
             metrics[f"train/acc_pos/{k}"] = Ratio(c, n)
+        if self._has_selector:
+            metrics["train/selector_loss"] = Ratio(sums["selector_loss"], sums["weight"])
+            metrics["train/candidate_recall"] = Ratio(sums["in_top_k"], sums["count"])
+            metrics["train/tau_sim_selector"] = Ratio(sums["path_accepted"], sums["blocks"])
+            for k, (c, n) in enumerate(zip(path_correct, slot_count), start=1):
+                metrics[f"train/acc_sel_pos/{k}"] = Ratio(c, n)
         if self.dist.enabled:
             metrics["perf/allreduce_wait_s"] = self._weight_reduce.collect() / steps
         if self.flops_fn is not None:
@@ -227,6 +245,7 @@ class DrafterStep:
             value.zero_()
         self._slot_correct.zero_()
         self._slot_count.zero_()
+        self._path_correct.zero_()
         self._grad_norm_max.zero_()
         self._tokens = 0
         self._samples = 0

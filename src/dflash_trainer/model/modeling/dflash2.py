@@ -87,16 +87,16 @@ class DynamicDepthwiseConv(nn.Module):
         base = self.base_kernel[side].to(hidden.dtype)
         delta = delta.to(hidden.dtype)
         slot = torch.arange(length, device=hidden.device) % self.block_size
-        out = None
-        for tap in range(self.kernel_size):
-            values = hidden
-            if tap:
-                # Row t reads row t - tap of its own block only: zero where that is outside.
-                values = F.pad(hidden[:, :-tap], (0, 0, tap, 0)) * (slot >= tap)[:, None].to(hidden.dtype)
+
+        def term(values: torch.Tensor, tap: int) -> torch.Tensor:
             grouped = values.unflatten(-1, (self.groups, self.group_size))
-            term = values * base[tap] + (grouped * delta[:, :, tap, :, None]).flatten(-2)
-            out = term if out is None else out + term
-        assert out is not None
+            return values * base[tap] + (grouped * delta[:, :, tap, :, None]).flatten(-2)
+
+        out = term(hidden, 0)
+        for tap in range(1, self.kernel_size):
+            # Row t reads row t - tap of its own block only: zero where that is outside.
+            shifted = F.pad(hidden[:, :-tap], (0, 0, tap, 0)) * (slot >= tap)[:, None].to(hidden.dtype)
+            out = out + term(shifted, tap)
         return out
 
 
