@@ -26,10 +26,9 @@ sys.path.insert(0, str(TOOLS))
 import serve_check  # noqa: E402
 
 
-def variants(block_size: int, targets: list[str], drafters: list[str]) -> list[dict[str, object]]:
+def variants(n_max: list[int], targets: list[str], drafters: list[str]) -> list[dict[str, object]]:
     """Every (target type, drafter type, drafts per step) setting to measure."""
-    return [{"target": t, "drafter_type": d, "n_max": n}
-            for t, d, n in itertools.product(targets, drafters, range(1, block_size))]
+    return [{"target": t, "drafter_type": d, "n_max": n} for t, d, n in itertools.product(targets, drafters, n_max)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--targets", default="q4_1,f32")
     parser.add_argument("--drafter-types", default="f32")
+    parser.add_argument("--n-max", default=None, help="drafts per step to try, e.g. 1,3 (default 1..block-1)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, object]] = []
     out = Path(args.out)
     project = None
-    for v in variants(block, args.targets.split(","), args.drafter_types.split(",")):
+    n_max = [int(n) for n in args.n_max.split(",")] if args.n_max else list(range(1, block))
+    for v in variants(n_max, args.targets.split(","), args.drafter_types.split(",")):
         work = Path("runs") / "llama-cpp-levers" / f"{v['target']}-{v['drafter_type']}-n{v['n_max']}"
         argv_v = ["--engine", "llama.cpp", "--drafter", str(drafter), "--prompts", str(args.prompts),
                   "--max-tokens", str(args.max_tokens), "--llama-target", str(v["target"]),

@@ -88,7 +88,7 @@ def test_summary_is_a_ratio_of_sums_and_flags_scatter(tmp_path):
     assert s["acceptance"]["pooled_tau"] == pytest.approx(1.5)
     # A speculative step: 100 ms / 8 steps; a plain one: 120 ms / 12 tokens after the first.
     assert s["cost"]["break_even_tau"] == pytest.approx((100.0 / 8) / (120.0 / 12))
-    # One pair measured while something else ran: the scatter marks the figure.
+    # One pair measured while something else ran: its step cost differs, the scatter marks the figure.
     rows["pairs"].append(pair(2, 400.0, 100.0))
     s = serve_llama_cpp._summarize(rows, model=tmp_path / "t.gguf", draft=tmp_path / "d.gguf", n_max=3,
                                    options=options)

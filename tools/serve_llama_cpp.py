@@ -35,7 +35,9 @@ from vllm_server import VllmServer, free_port
 NEAR_TIE = 0.01
 """Top-2 log-probability margin (nats) under which a differing output is the engine's rounding."""
 SCATTER_BOUND = 1.5
-"""Per-prompt speedups whose max/min exceeds this mark the speedup unreliable."""
+"""Per-prompt step costs whose max/min exceeds this mark the speedup unreliable."""
+MIN_STEPS = 4
+"""Prompts with fewer verify steps (or plain tokens) are left out of the scatter check."""
 
 
 @dataclass(kw_only=True)
@@ -167,15 +169,19 @@ def _summarize(rows: dict[str, Any], *, model: Path, draft: Path, n_max: int,
     ratios = [(p["drafter"]["decode_tokens"] / p["drafter"]["decode_ms"])
               / (p["plain"]["decode_tokens"] / p["plain"]["decode_ms"])
               for p in pairs if p["drafter"]["decode_ms"] and p["plain"]["decode_ms"] and p["plain"]["decode_tokens"]]
+    # A prompt's speedup follows its acceptance; the cost of one step in plain steps should not.
+    costs = [(p["drafter"]["decode_ms"] / p["steps"]) / (p["plain"]["decode_ms"] / (p["plain"]["decode_tokens"] - 1))
+             for p in pairs if p["steps"] >= MIN_STEPS and p["plain"]["decode_tokens"] > MIN_STEPS
+             and p["plain"]["decode_ms"] > 0]
     reasons = []
     cores = os.cpu_count() or 1
     busy = max(rows["load_before"], rows["load_after"]) - options.threads
     if busy > 0.5 * cores:
         reasons.append(f"load average {max(rows['load_before'], rows['load_after']):.2f} beyond the server's "
                        f"{options.threads} threads on {cores} cores")
-    if ratios and max(ratios) / min(ratios) > SCATTER_BOUND:
-        reasons.append(f"per-prompt speedups scatter {min(ratios):.2f}..{max(ratios):.2f} "
-                       f"(max/min above {SCATTER_BOUND})")
+    if costs and min(costs) > 0 and max(costs) / min(costs) > SCATTER_BOUND:
+        reasons.append(f"scatter: per-prompt step cost varies {max(costs) / min(costs):.2f}x "
+                       f"({min(costs):.2f}..{max(costs):.2f} plain steps; bound {SCATTER_BOUND}x)")
     differing = [p for p in pairs if not p["identical"]]
     return {
         "engine": f"llama.cpp from {SDIST_PIN} (CPU, {options.threads} threads)",
@@ -187,7 +193,7 @@ def _summarize(rows: dict[str, Any], *, model: Path, draft: Path, n_max: int,
                        "accept_rate": accepted / drafted if drafted else None},
         "plain_tokens_per_s": plain_tps, "drafter_tokens_per_s": spec_tps,
         "speedup": spec_tps / plain_tps if spec_tps and plain_tps else None,
-        "speedup_per_prompt": ratios,
+        "speedup_per_prompt": ratios, "step_cost_per_prompt": costs,
         "speedup_per_prompt_median": statistics.median(ratios) if ratios else None,
         "speedup_reliable": not reasons, "speedup_unreliable_reasons": reasons,
         "load_before": rows["load_before"], "load_after": rows["load_after"],

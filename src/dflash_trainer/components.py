@@ -220,7 +220,7 @@ def build_drafter_step(cfg: Config, dist: DistInfo, target: nn.Module, *, mask_t
     device = dist.device
     # With the tokenizer, the drafter's config (and every export of it) records its fingerprint.
     drafter = build_drafter(cfg.model, target.config, mask_token_id=mask_token_id, tokenizer=tokenizer)
-    initialise_drafter(drafter, target, cfg.model)
+    initialise_drafter(drafter, target, cfg.model, tokenizer=tokenizer)
     drafter = drafter.to(device)
     # Sharded before the feature hooks are added, so FSDP's hooks run first.
     target = wrap_target(target, dist, cfg.distributed)

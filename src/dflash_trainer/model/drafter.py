@@ -391,13 +391,15 @@ def init_drafter_from_target(drafter: DFlashDraftModel, target_model: nn.Module)
 
 
 @torch.no_grad()
-def warm_start(drafter: DFlashDraftModel, path: str, target_config: PretrainedConfig) -> list[str]:
+def warm_start(drafter: DFlashDraftModel, path: str, target_config: PretrainedConfig, *,
+               tokenizer: Any = None) -> list[str]:
     """``model.init_from``: copy the weights of the drafter exported or checkpointed at ``path``
     into ``drafter``; the names copied.
 
     A DFlash drafter gives a DFlash2 one its backbone (the convolutions and the selector keep
     their identity initialisation); a DFlash2 drafter cannot start a DFlash one. Raises
-    :class:`CheckpointError` (one line) for the wrong variant, another target, other target
+    :class:`CheckpointError` (one line) for the wrong variant, another target (vocabulary, hidden
+    size, and given the target's ``tokenizer`` its chat template and special ids), other target
     layers or other layer sizes.
     """
     from dflash_trainer.model.export import load_checkpoint_drafter  # export imports this module
@@ -407,7 +409,7 @@ def warm_start(drafter: DFlashDraftModel, path: str, target_config: PretrainedCo
     source = load_checkpoint_drafter(path, variant="dflash" if variant == "dflash" else None,
                                      fix="warm-start it with model.variant=dflash2, or give a DFlash drafter")
     try:
-        check_compatible(source.config, target_config)
+        check_compatible(source.config, target_config, tokenizer=tokenizer)
     except ValueError as exc:
         raise CheckpointError(f"{where} does not fit the target: {exc}; give a drafter trained for it") from exc
     if list(source.target_layer_ids) != list(drafter.target_layer_ids):
@@ -427,11 +429,13 @@ def warm_start(drafter: DFlashDraftModel, path: str, target_config: PretrainedCo
     return copied
 
 
-def initialise_drafter(drafter: DFlashDraftModel, target_model: nn.Module, model_cfg: ModelConfig) -> list[str]:
+def initialise_drafter(drafter: DFlashDraftModel, target_model: nn.Module, model_cfg: ModelConfig, *,
+                       tokenizer: Any = None) -> list[str]:
     """Apply ``model.init_from`` or ``model.drafter_init`` to a fresh drafter; the names of the
-    parameters copied (empty for a random init)."""
+    parameters copied (empty for a random init). ``tokenizer``: the target's, checked against
+    the one a warm-start source recorded."""
     if model_cfg.init_from is not None:
-        copied = warm_start(drafter, model_cfg.init_from, target_model.config)
+        copied = warm_start(drafter, model_cfg.init_from, target_model.config, tokenizer=tokenizer)
         log.info("warm-started the drafter from %s: %d tensors", model_cfg.init_from, len(copied))
         return copied
     if model_cfg.drafter_init == "target":
