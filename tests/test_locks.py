@@ -272,6 +272,17 @@ def _snapshot(folder: Path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.mark.slow
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (``T`` in /proc/PID/task/*/stat)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
 def test_a_second_train_on_a_locked_run_folder_is_refused_untouched(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = make_tiny_target(tmp_path / "target", layers=3, hidden=32)
@@ -285,6 +296,8 @@ def test_a_second_train_on_a_locked_run_folder_is_refused_untouched(
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "latest").is_file(), 120, "a checkpoint")
         os.kill(first.pid, signal.SIGSTOP)  # frozen, still holding the lock: nothing changes
+        # SIGSTOP lands asynchronously: the checkpoint writer thread may still be mid-write.
+        wait_for(lambda: _all_threads_stopped(first.pid), 30, "the first train to stop")
         before = _snapshot(run_dir)
         capsys.readouterr()
         assert cli_main(["train", *argv]) == 1
