@@ -83,3 +83,29 @@ def serving(server: socketserver.BaseServer, *, join_timeout: float) -> Iterator
         server.shutdown()
         server.server_close()
         thread.join(timeout=join_timeout)
+
+
+def load_with_transformers_alone(folder: Path, inputs: dict[str, torch.Tensor],
+                                 work: Path) -> tuple[str, dict[str, list[str]], Any]:
+    """Load an exported drafter ``folder`` in a fresh interpreter with transformers alone (no
+    dflash_trainer importable) and run it on ``inputs``: the class name, the loading info and
+    the output."""
+    import os
+    import textwrap
+
+    torch.save(inputs, work / "inputs.pt")
+    script = textwrap.dedent(f"""
+        import json, sys, torch
+        from transformers import AutoModel
+        model, info = AutoModel.from_pretrained({str(folder)!r}, trust_remote_code=True, output_loading_info=True)
+        assert "dflash_trainer" not in sys.modules
+        with torch.no_grad():
+            torch.save(model.eval()(**torch.load({str(work / 'inputs.pt')!r})), {str(work / 'out.pt')!r})
+        print(json.dumps({{"class": type(model).__name__, **{{k: sorted(v) for k, v in info.items()}}}}))
+    """)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(work / "hf"), PYTHONPATH="")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                            cwd=work, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = json.loads(result.stdout.strip().splitlines()[-1])
+    return info.pop("class"), info, torch.load(work / "out.pt")

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from helpers_e2e import make_tiny_target
+from helpers_e2e import load_with_transformers_alone, make_tiny_target
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -326,24 +322,11 @@ def test_transformers_alone_loads_the_dflash2_export(tmp_path: Path) -> None:
     out = export.export_drafter(drafter, tmp_path / "d2", dtype=torch.float32)
     inputs = {"position_ids": torch.arange(10 + BLOCK)[None], "noise_embedding": torch.randn(1, BLOCK, H),
               "target_hidden": torch.randn(1, 10, 2 * H)}
-    torch.save(inputs, tmp_path / "inputs.pt")
-    script = textwrap.dedent(f"""
-        import json, sys, torch
-        from transformers import AutoModel
-        model, info = AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True, output_loading_info=True)
-        assert "dflash_trainer" not in sys.modules and type(model).__name__ == "DFlash2DraftModel"
-        with torch.no_grad():
-            torch.save(model.eval()(**torch.load({str(tmp_path / 'inputs.pt')!r})), {str(tmp_path / 'out.pt')!r})
-        print(json.dumps({{k: sorted(v) for k, v in info.items()}}))
-    """)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), PYTHONPATH="")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                            cwd=tmp_path, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    info = json.loads(result.stdout.strip().splitlines()[-1])
+    name, info, out_tensor = load_with_transformers_alone(out, inputs, tmp_path)
+    assert name == "DFlash2DraftModel"
     assert info["missing_keys"] == [] and info["unexpected_keys"] == [] and info["mismatched_keys"] == []
     with torch.no_grad():
-        torch.testing.assert_close(torch.load(tmp_path / "out.pt"), drafter(**inputs), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(out_tensor, drafter(**inputs), atol=1e-5, rtol=1e-4)
 
 
 def test_warm_start_refuses_a_drafter_trained_with_another_tokenizer(tiny_target, tmp_path) -> None:

@@ -2,16 +2,14 @@
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 from transformers import LlamaConfig
+from helpers_e2e import load_with_transformers_alone
 
 from dflash_trainer import assets
 from dflash_trainer.checkpoint import Checkpointer, SaveRequest
@@ -104,26 +102,11 @@ def test_replaces_a_previous_export_but_not_other_folders(tmp_path):
 def test_transformers_alone_loads_it_with_no_missing_keys(tmp_path):
     drafter = trained_drafter()
     out = export.export_drafter(drafter, tmp_path / "d", dtype=torch.float32)
-    torch.save(inputs(), tmp_path / "inputs.pt")
-    script = textwrap.dedent(f"""
-        import json, sys, torch
-        from transformers import AutoModel
-        model, info = AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True, output_loading_info=True)
-        assert "dflash_trainer" not in sys.modules
-        with torch.no_grad():
-            hidden = model.eval()(**torch.load({str(tmp_path / 'inputs.pt')!r}))
-        torch.save(hidden, {str(tmp_path / 'hidden.pt')!r})
-        print(json.dumps({{k: sorted(v) for k, v in info.items()}}))
-    """)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"), PYTHONPATH="")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                            cwd=tmp_path, timeout=120)
-    assert result.returncode == 0, result.stderr[-3000:]
-    info = json.loads(result.stdout.strip().splitlines()[-1])
+    _, info, hidden = load_with_transformers_alone(out, inputs(), tmp_path)
     assert info["missing_keys"] == [] and info["unexpected_keys"] == [] and info["mismatched_keys"] == []
     with torch.no_grad():
         expected = drafter(**inputs())
-    torch.testing.assert_close(torch.load(tmp_path / "hidden.pt"), expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(hidden, expected, atol=1e-6, rtol=1e-6)
 
 
 def _checkpoint(tmp_path: Path, drafter) -> Path:

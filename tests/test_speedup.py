@@ -10,7 +10,8 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_evaluate import tiny_target
+from transformers import LlamaForCausalLM
 
 from dflash_trainer.config import ModelConfig
 from dflash_trainer.evaluate import EvalPrompt, InTrainingEval, request_result, summarize
@@ -67,11 +68,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def target() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=128, vocab_size=128, tie_word_embeddings=True,
-                         max_position_embeddings=256, initializer_range=0.3)
-    return LlamaForCausalLM(config).eval().requires_grad_(False)
+    return tiny_target()
 
 
 @pytest.fixture(scope="module")

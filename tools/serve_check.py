@@ -402,11 +402,10 @@ def cost_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
 
     def add(engine: str, plain: float | None, spec: float | None, tau: float | None, note: str) -> None:
-        ratio = tau * plain / spec if plain and spec and tau else None
+        # In plain steps, a plain step costs 1 and a speculative one tau * plain / spec.
+        step = tau * plain / spec if plain and spec and tau else None
         rows.append({"engine": engine, "plain_tokens_per_s": plain, "drafter_tokens_per_s": spec, "tau": tau,
-                     "step_cost_ratio": ratio, "note": note,
-                     **{k: v for k, v in cost_model(None if ratio is None else 1.0, ratio).items()
-                        if k != "step_cost_ratio"}})
+                     "note": note, **cost_model(1.0, step)})
 
     project = result["project_acceptance"]
     add("project loop (transformers)", project.get("target_tokens_per_s"), project.get("spec_tokens_per_s"),
