@@ -283,7 +283,12 @@ def _hold(target: str, mode: str, stamp: str) -> None:
             return original(*args, **kwargs)
         if mode == "after":
             original(*args, **kwargs)
-        time.sleep(120)  # the signal's exception ends the wait
+        # Short sleeps: the kernel may hand the signal to any thread (a heartbeat, a torch
+        # worker), which does not wake a long sleep in the main thread; the handler then runs
+        # only when the main thread next executes bytecode.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
         raise AssertionError("no signal came")
 
     setattr(owner, name, held)
