@@ -14,7 +14,8 @@ default), synchronous saves at the same steps. For each run:
 - loop stall per save: the extra wall time of the training loop per save over the baseline,
   from the intervals between consecutive trained batches (this includes the writer thread
   competing for CPU and the GIL; it is an estimate, noisy on a shared machine);
-- the background write time (torch.save, drafter export, checksums, fsync, rename).
+- the background write time (dcp.save of the shards, state.pt, drafter export, checksums,
+  fsync, rename).
 
 Stalls are printed in seconds and as a fraction of one baseline step. The first ``--warmup``
 steps of each run (pipeline start) are left out.
@@ -90,7 +91,8 @@ def run(root: Path, name: str, args: argparse.Namespace, data: Path,
     params = sum(p.numel() for p in trainer.drafter.parameters())
     return {"intervals": intervals, "saves": save_times, "params": params,
             "writes": list(trainer.checkpointer.write_seconds[:len(save_times)]),
-            "state_mb": sum(f.stat().st_size for f in (root / name / "checkpoints").rglob("*.pt"))
+            "state_mb": sum(f.stat().st_size for f in (root / name / "checkpoints").rglob("*")
+                            if f.is_file() and "drafter" not in f.parts)
             / 2**20 / max(1, len(list((root / name / "checkpoints").glob("step-*"))))}
 
 
@@ -114,7 +116,8 @@ def main() -> None:
     base = results["baseline"]["intervals"]
     step = statistics.median(base)
     print(f"drafter: {args.layers} layers, {results['async']['params'] / 1e6:.1f}M parameters; "
-          f"checkpoint state.pt {results['async']['state_mb']:.0f} MiB (weights + AdamW moments)")
+          f"checkpoint training state {results['async']['state_mb']:.0f} MiB (train/ shards: "
+          f"weights + AdamW moments, and state.pt)")
     print(f"baseline step: median {step:.3f} s, mean {statistics.mean(base):.3f} s, "
           f"stdev {statistics.pstdev(base):.3f} s over {len(base)} steps")
     print(f"{'mode':<6} {'saves':>5} {'main-thread/save':>17} {'(steps)':>8} "

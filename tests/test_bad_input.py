@@ -348,6 +348,36 @@ def _a_file_at(name: str, command: str) -> Callable[[Path, Path], list[str]]:
     return argv
 
 
+# --- sharded checkpoints (DCP): builders ----------------------------------------------------------
+
+def _sharded_resume(damage: Callable[[Path], None] | None, *extra: str) -> Callable[[Path, Path], list[str]]:
+    """A real one-step run (its step-1 checkpoint: DCP shards in train/), damaged by ``damage``,
+    then resumed from step-1 with ``extra``."""
+    def argv(t: Path, d: Path) -> list[str]:
+        data = make_chat_jsonl(d / "chat.jsonl", num=8)
+        assert cli_main(train_args(t, d, data, "model.num_layers=1")) == 0
+        ckpt = d / "run" / "checkpoints" / "step-1"
+        if damage is not None:
+            damage(ckpt)
+        return train_args(t, d, data, "model.num_layers=1", f"checkpoint.resume={ckpt}", *extra)
+    return argv
+
+
+def _flip_shard(ckpt: Path) -> None:
+    flip_bytes(ckpt / "train" / "__0_0.distcp")
+
+
+def _remove_shard(ckpt: Path) -> None:
+    (ckpt / "train" / "__0_0.distcp").unlink()
+
+
+def _remove_rank_file(ckpt: Path) -> None:
+    """As if written by 2 ranks (the manifest lists rank-1.pt), with rank 1's file lost."""
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["rank-1.pt"] = {"size": 1, "sha256": "0" * 64}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
 CASES = [
     Case("file smaller than the held-out split", _small_file, 1,
          r"data error: data.heldout_samples=64 would hold out 40 of the 40 records"),
@@ -410,7 +440,8 @@ CASES = [
     Case("eval: bad JSON line in the prompts", _eval(prompts=b'{"prompt": "hi"}\n{oops\n'), 1,
          r"data error: .*prompts.jsonl:2: not valid JSON"),
     Case("eval: unknown prompt source", _eval("eval.prompts=nope"), 2,
-         r"config error: eval.prompts='nope': not 'mtbench', 'sharegpt-heldout' or an existing JSONL file"),
+         r"config error: eval.prompts='nope': not a prompt set \(mtbench, humaneval, math, sharegpt-heldout\) or "
+         r"an existing JSONL file"),
     Case("regenerate: bad option", lambda t, d: ["regenerate", "--out", str(d / "o.jsonl"),
                                                  "--backend", "openai"], 2,
          r"config error: --backend openai needs --server-url"),
@@ -535,6 +566,38 @@ CASES = [
              t, d, d / "chat.jsonl", "checkpoint.resume=auto", "training.max_steps=2", "model.variant=dflash2"), 2,
          r"checkpoint error: cannot resume: model.variant was 'dflash' in the checkpoint and is 'dflash2' now; "
          r"resume with the checkpoint's config.yaml"),
+    # --- eval suite (domains): `eval --suite` of a missing drafter folder (the domains are read first) ---
+    Case("eval --suite: unknown domain",
+         lambda t, d: ["eval", "--suite", "--drafter", str(d / "no-drafter"), f"model.target={t}",
+                       f"run_dir={d / 'run'}", "eval.suite=[mtbench,gsm8k]"], 2,
+         r"config error: eval.suite: 'gsm8k' is not a prompt set \(mtbench, humaneval, math, sharegpt-heldout\) "
+         r"or an existing JSONL file$"),
+    Case("eval --suite: a domain named twice",
+         lambda t, d: ["eval", "--suite", "--drafter", str(d / "no-drafter"), f"model.target={t}",
+                       f"run_dir={d / 'run'}", "eval.suite=[math,math]"], 2,
+         r"config error: eval.suite names the domain math twice; name each once$"),
+    Case("eval --suite: eval.suite_prompts=0",
+         lambda t, d: ["eval", "--suite", "--drafter", str(d / "no-drafter"), f"model.target={t}",
+                       f"run_dir={d / 'run'}", "eval.suite_prompts=0"], 2,
+         r"config error: eval.suite_prompts must be in \[1, "),
+    Case("eval --suite with --prompts",
+         lambda t, d: ["eval", "--suite", "--prompts", "humaneval", "--drafter", str(d / "no-drafter"),
+                       f"model.target={t}", f"run_dir={d / 'run'}"], 2,
+         r"config error: --prompts and --suite exclude each other: --suite evaluates the domains of eval.suite"),
+    # --- sharded checkpoints (DCP): validated once by rank 0, one line ---
+    Case("train: corrupt checkpoint shard", _sharded_resume(_flip_shard), 2,
+         r"checkpoint error: checkpoint.resume=.*step-1: train/__0_0.distcp does not match its "
+         r"checksum in manifest.json \(corrupted\); use an earlier checkpoint$"),
+    Case("train: missing checkpoint shard", _sharded_resume(_remove_shard), 2,
+         r"checkpoint error: checkpoint.resume=.*step-1: train/__0_0.distcp is missing or "
+         r"truncated; the checkpoint is damaged, use an earlier one$"),
+    Case("train: missing rank file", _sharded_resume(_remove_rank_file), 2,
+         r"checkpoint error: checkpoint.resume=.*step-1: rank-1.pt is missing or truncated"),
+    Case("train: resume with another model", _sharded_resume(None, "model.num_layers=3"), 2,
+         r"checkpoint error: cannot resume: model.num_layers was 1 in the checkpoint and is 3 now; "
+         r"resume with the checkpoint's config.yaml$"),
+    Case("train: resume with another data order", _sharded_resume(None, "training.seed=7"), 2,
+         r"checkpoint error: cannot resume: training.seed was \d+ in the checkpoint and is 7 now"),
 ]
 
 

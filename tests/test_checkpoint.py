@@ -1,5 +1,6 @@
 """Checkpoint files: atomic, validated, retained, and safe against SIGKILL mid-write."""
 
+import collections
 import errno
 import json
 import os
@@ -18,7 +19,8 @@ import torch
 
 from dflash_trainer.checkpoint import (
     CheckpointError, Checkpointer, ResumeError, SaveRequest, checkpoint_names,
-    find_resume_checkpoint, load_state, resolve_resume, snapshot, validate_checkpoint)
+    find_resume_checkpoint, load_drafter_weights, load_state, local_part, resolve_resume, snapshot,
+    validate_checkpoint)
 from dflash_trainer.data.cache import TokenStore
 from dflash_trainer.errors import DiskError
 
@@ -35,6 +37,22 @@ def test_snapshot_is_a_detached_cpu_copy():
         w.add_(1)
     assert torch.equal(snap["w"], torch.ones(3)) and not snap["w"].requires_grad
     assert snap["nested"][1] == 3
+
+
+def test_local_part_splits_replicated_tensors_between_ranks():
+    """Every tensor is written by exactly one rank, the bytes about evenly; the other values
+    by rank 0."""
+    state = {"drafter": {f"w{i}": torch.zeros(100 * (i + 1)) for i in range(7)},
+             "optimizer": {"state": {"w0": {"step": torch.tensor(3.0)}},
+                           "param_groups": [{"lr": 0.1, "params": ["w0"]}]}}
+    parts = [local_part(state, rank, 3) for rank in range(3)]
+    owners = collections.Counter(k for part in parts for k in part.get("drafter", {}))
+    assert owners == collections.Counter({f"w{i}": 1 for i in range(7)})
+    sizes = [sum(v.numel() for v in part.get("drafter", {}).values()) for part in parts]
+    assert max(sizes) - min(sizes) <= 700
+    assert sum("step" in part.get("optimizer", {}).get("state", {}).get("w0", {}) for part in parts) == 1
+    assert "param_groups" in parts[0]["optimizer"]
+    assert all("param_groups" not in part.get("optimizer", {}) for part in parts[1:])
 
 
 @pytest.mark.parametrize("async_save", [True, False])
@@ -119,7 +137,8 @@ WRITER = textwrap.dedent("""
     while True:
         step += 1
         ck.save(SaveRequest(step=step, state={"step": step, "w": torch.randn(200_000)},
-                            rank_states={}, export=None))
+                            rank_states={}, export=None,
+                            shards={"drafter": {"w": torch.full((300_000,), float(step))}}))
         print(step, flush=True)
 """)
 
@@ -144,6 +163,8 @@ def test_sigkill_during_writes_never_breaks_latest(tmp_path: Path):
             continue
         state = load_state(folder)
         assert state["w"].shape == (200_000,)
+        # The DCP shards of the same step: complete, whatever moment the kill came at.
+        assert torch.equal(load_drafter_weights(folder)["w"], torch.full((300_000,), float(state["step"])))
         assert (ckpt / "latest").read_text().strip().startswith("step-")
         validate_checkpoint(ckpt / (ckpt / "latest").read_text().strip())
         last = state["step"]

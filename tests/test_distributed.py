@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,10 +41,11 @@ from dflash_trainer.train import Trainer, any_rank
 from dflash_trainer.config import (DistributedConfig, ModelConfig, PipelineConfig, TrainingConfig,
                                    load_config)
 from dflash_trainer.data.buckets import Plan, Step, build_plan
+from dflash_trainer.checkpoint import (
+    load_drafter_weights, load_train_state, local_part, save_train_state, snapshot)
 from dflash_trainer.distributed import (
-    DistInfo, all_reduce_sum, check_distributed_options, close_distributed, full_model_state,
-    full_optimizer_state, gather_objects, init_distributed, load_model_state,
-    load_optimizer_state, wrap_drafter, wrap_target)
+    DistInfo, all_reduce_sum, apply_training_state, check_distributed_options, close_distributed,
+    gather_objects, init_distributed, training_state, wrap_drafter, wrap_target)
 from dflash_trainer.model.blocks import sample_anchors
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.model.objective import DFlashObjective
@@ -192,7 +194,8 @@ def _module_worker(rank: int, port: int, out: str) -> None:
         res = one_step(target, micro, info, wrap, grad_accum=len(micro))
         results[name] = res
         if name == "fsdp":
-            results["fsdp_roundtrip"] = fsdp_roundtrip(target, mine[0], info)
+            results["fsdp_roundtrip"] = fsdp_roundtrip(target, mine[0], info,
+                                                       Path(out).parent / "dcp")
     results["target_fsdp_max_diff"] = sharded_target_diff(target, items[rank].batch, info)
     # The trainer's step decisions: rank 1 alone saw a stop, rank 0 alone is due a checkpoint.
     results["any_rank"] = any_rank([rank == 1, rank == 0, False], info)
@@ -206,9 +209,10 @@ def _module_worker(rank: int, port: int, out: str) -> None:
         torch.save(results, out)
 
 
-def fsdp_roundtrip(target: LlamaForCausalLM, item: StepInput, info: DistInfo) -> bool:
-    """After an AdamW step, the full model and optimizer state of a sharded drafter load
-    into a fresh sharded one and read back unchanged (the resume path of drafter=fsdp)."""
+def fsdp_roundtrip(target: LlamaForCausalLM, item: StepInput, info: DistInfo, folder: Path) -> bool:
+    """After an AdamW step, the weights and AdamW state of a sharded drafter, saved as DCP
+    shards (each rank its own part of a CPU snapshot), load into a fresh sharded one and read
+    back unchanged (the checkpoint and resume path of drafter=fsdp)."""
     def build(seed: int) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(seed)
         drafter = build_drafter(ModelConfig(num_layers=2, block_size=BLOCK), target.config,
@@ -217,28 +221,33 @@ def fsdp_roundtrip(target: LlamaForCausalLM, item: StepInput, info: DistInfo) ->
                                                  target.lm_head.weight, gamma=4.0,
                                                  loss_chunk_size=64),
                                  info, DistributedConfig(drafter="fsdp"))
-        return drafter, objective, torch.optim.AdamW(list(objective.parameters()), lr=1e-3)
+        # The trained parameters, as the trainer's optimizer holds them.
+        params = [p for p in objective.parameters() if p.requires_grad]
+        return drafter, objective, torch.optim.AdamW(params, lr=1e-3)
+
+    def full(state: dict) -> dict[str, torch.Tensor]:
+        flat = {f"drafter.{k}": v for k, v in state["drafter"].items()}
+        flat.update({f"{n}.{k}": v for n, entry in state["optimizer"]["state"].items()
+                     for k, v in entry.items()})
+        return {k: replicated_full(torch.as_tensor(v)).clone() for k, v in flat.items()}
 
     drafter, objective, optimizer = build(0)
     objective(item.batch, item.target, 0).mean_loss().backward()
     optimizer.step()
-    state = full_model_state(drafter)
-    optim_state = full_optimizer_state(objective, optimizer)
-    # Every rank loads the full state, as every rank reads state.pt when resuming.
-    holder = [state, optim_state]
-    torch.distributed.broadcast_object_list(holder, src=0)
+    state = training_state(drafter, optimizer)
+    mine = local_part(state, info.rank, info.world_size)
+    sharded = all(isinstance(v, DTensor) for v in mine["drafter"].values())
+    group = torch.distributed.group.WORLD
+    save_train_state(snapshot(mine), folder, group=group)
     drafter2, objective2, optimizer2 = build(1)
-    load_model_state(drafter2, holder[0])
-    load_optimizer_state(objective2, optimizer2, holder[1])
-    state2 = full_model_state(drafter2)
-    optim_state2 = full_optimizer_state(objective2, optimizer2)
+    template = training_state(drafter2, optimizer2)
+    load_train_state(template, folder, group=group)
+    apply_training_state(drafter2, optimizer2, template)
+    before, after = full(state), full(training_state(drafter2, optimizer2))
     if not info.is_main:
         return True
-    moments = [(name, key) for name, entry in optim_state["state"].items() for key in entry]
-    return (len(moments) > 0
-            and all(torch.equal(state2[k], state[k]) for k in state)
-            and all(torch.equal(torch.as_tensor(optim_state2["state"][n][k]),
-                                torch.as_tensor(optim_state["state"][n][k])) for n, k in moments))
+    return (sharded and any(k.endswith("exp_avg_sq") for k in before) and before.keys() == after.keys()
+            and all(torch.equal(before[k], after[k]) for k in before))
 
 
 def sharded_target_diff(target: LlamaForCausalLM, batch: Batch, info: DistInfo) -> float:
@@ -391,9 +400,10 @@ def overrides(root: Path, run_dir: Path, *extra: str) -> list[str]:
             "checkpoint.every_steps=3", "checkpoint.keep_last=10", *extra]
 
 
-def torchrun(root: Path, run_dir: Path, *extra: str) -> Path:
+def torchrun(root: Path, run_dir: Path, *extra: str, expect: int = 0) -> Path:
     """``torchrun --standalone --nproc-per-node 2``: the launcher binds its rendezvous store to
-    a port the OS picks, under a fresh rendezvous id, so no two launches can meet on one port."""
+    a port the OS picks, under a fresh rendezvous id, so no two launches can meet on one port.
+    Its output is in ``RUN_DIR.log`` beside the run folder; it must exit with ``expect``."""
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone",
            "--nproc-per-node", str(WORLD), "-m", "dflash_trainer", "train",
            *overrides(root, run_dir, f"distributed.timeout_s={COLLECTIVE_TIMEOUT_S}", *extra)]
@@ -403,7 +413,7 @@ def torchrun(root: Path, run_dir: Path, *extra: str) -> Path:
     tail = log.read_text(errors="replace")[-6000:]
     assert code is not None, (f"torchrun did not finish in {LAUNCH_TIMEOUT_S} s; every process "
                               f"was killed after dumping its Python stacks; {log} ends:\n{tail}")
-    assert code == 0, f"torchrun failed with exit code {code}; {log} ends:\n{tail}"
+    assert code == expect, f"torchrun exited with code {code}, not {expect}; {log} ends:\n{tail}"
     return run_dir
 
 
@@ -511,6 +521,9 @@ def test_torchrun_two_ranks(ddp_run):
     ckpt = ddp_run / "checkpoints"
     assert {p.name for p in ckpt.iterdir() if p.is_dir()} == {"step-3", "step-6", "step-8"}
     assert (ckpt / "step-3" / "rank-1.pt").is_file()
+    # DDP replicas: each rank wrote about half of the (replicated) weights and AdamW state.
+    sizes = [p.stat().st_size for p in sorted((ckpt / "step-3" / "train").glob("*.distcp"))]
+    assert len(sizes) == 2 and min(sizes) > 0.3 * sum(sizes)
     assert (ddp_run / "drafter" / "model.safetensors").is_file()
 
 
@@ -609,13 +622,34 @@ def test_resume_with_two_ranks_reproduces_the_run(ddp_run, assets_dir):
 
 
 @pytest.mark.slow
+def test_a_corrupt_shard_is_reported_once_by_rank_0(ddp_run, assets_dir, tmp_path: Path):
+    """Rank 0 alone validates the checkpoint and broadcasts the verdict: one line in all."""
+    run_dir = tmp_path / "corrupt"
+    shutil.copytree(ddp_run, run_dir)
+    shard = run_dir / "checkpoints" / "step-8" / "train" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[-8:] = b"\x7f" * 8
+    shard.write_bytes(bytes(data))
+    # Each rank exits 2; torchrun reports a failed launch as 1.
+    torchrun(assets_dir, run_dir, f"checkpoint.resume={shard.parent.parent}", expect=1)
+    lines = [line for line in (tmp_path / "corrupt.log").read_text().splitlines()
+             if "dflash-trainer train:" in line]
+    assert len(lines) == 1, lines
+    assert "train/__1_0.distcp does not match its checksum" in lines[0]
+    assert "exitcode: 2" in (tmp_path / "corrupt.log").read_text()
+
+
+@pytest.mark.slow
 def test_fsdp_drafter_and_sharded_target_train_like_ddp(ddp_run, assets_dir):
     run = torchrun(assets_dir, assets_dir / "fsdp", "distributed.drafter=fsdp",
                    "distributed.target=fsdp")
     for key in ("train/loss", "train/grad_norm"):
         assert per_step(run, key) == pytest.approx(per_step(ddp_run, key), rel=TRAIN_RTOL), key
-    saved = torch.load(run / "checkpoints" / "step-6" / "state.pt", weights_only=False)
-    reference = torch.load(ddp_run / "checkpoints" / "step-6" / "state.pt", weights_only=False)
-    assert {k: v.shape for k, v in saved["drafter"].items()} == {
-        k: v.shape for k, v in reference["drafter"].items()}, "full, unsharded weights"
+    # Each rank wrote its own shards; read back whole, they are the DDP run's weights.
+    saved = load_drafter_weights(run / "checkpoints" / "step-6")
+    reference = load_drafter_weights(ddp_run / "checkpoints" / "step-6")
+    assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in reference.items()}
+    assert all(torch.allclose(saved[k], reference[k], rtol=TRAIN_RTOL, atol=1e-6) for k in saved)
+    shards = sorted(p.name for p in (run / "checkpoints" / "step-6" / "train").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]
     assert (run / "drafter" / "model.safetensors").is_file()

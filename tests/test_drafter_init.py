@@ -158,9 +158,9 @@ def test_a_checkpoint_saved_with_the_replaced_key_resumes_under_the_new_one():
         saved = config_to_dict(load_config(None))
         saved["model"]["init_from_target"] = old
         current = config_to_dict(load_config(None, [f"model.drafter_init={now}"]))
-        check_resume_compatible(upgrade_saved_config(saved), current, saved_world=1, world=1)
+        check_resume_compatible(upgrade_saved_config(saved), current)
         with pytest.raises(ResumeError, match=r"cannot resume: model\.(drafter_init|init_from_target)"):
-            check_resume_compatible(saved, current, saved_world=1, world=1)
+            check_resume_compatible(saved, current)
 
 
 def test_last_layers_copies_the_targets_last_layers():

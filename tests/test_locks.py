@@ -247,7 +247,7 @@ def test_a_disk_error_without_a_file_name_names_the_commands_folder(tmp_path: Pa
     assert str(disk_error(error, folder=tmp_path / "run")).startswith(
         f"cannot write into {tmp_path / 'run'}: No space left on device; free space")
     cfg = load_config(None, [f"run_dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'c'}"])
-    args = argparse.Namespace(out=None, run=str(tmp_path / "r"))
+    args = argparse.Namespace(out=None, run=str(tmp_path / "r"), suite=None)
     assert [output_folder(c, cfg, args) for c in ("prepare", "train", "eval", "report")] == [
         str(tmp_path / "c"), str(tmp_path / "run"), str(tmp_path / "run" / "eval"),
         str(tmp_path / "r")]

@@ -18,9 +18,11 @@ from typing import Any
 import pytest
 import torch
 
+from torch.distributed.checkpoint import FileSystemReader
+
 from dflash_trainer.checkpoint import (
-    CheckpointError, Checkpointer, ResumeError, SaveRequest, _write_manifest, load_state,
-    validate_checkpoint)
+    TRAIN_DIR, CheckpointError, Checkpointer, ResumeError, SaveRequest, _write_manifest,
+    load_drafter_weights, load_state, validate_checkpoint)
 from dflash_trainer.cli import main as cli_main
 from dflash_trainer.config import load_config
 from dflash_trainer.model.export import load_drafter
@@ -120,10 +122,10 @@ def test_resumed_run_trains_the_same_batches_with_bitwise_equal_losses(runs):
     for key in ("train/loss", "train/grad_norm", "train/lr"):
         assert by_step(split_m, key) == by_step(full_m, key), key
     assert sorted(by_step(split_m, "train/loss")) == list(range(1, total + 1))
-    a = load_state(runs["full_dir"] / "checkpoints" / f"step-{total}")
-    b = load_state(runs["split_dir"] / "checkpoints" / f"step-{total}")
-    assert a["drafter"].keys() == b["drafter"].keys()
-    assert all(torch.equal(a["drafter"][k], b["drafter"][k]) for k in a["drafter"])
+    a = load_drafter_weights(runs["full_dir"] / "checkpoints" / f"step-{total}")
+    b = load_drafter_weights(runs["split_dir"] / "checkpoints" / f"step-{total}")
+    assert a.keys() == b.keys() and a
+    assert all(torch.equal(a[k], b[k]) for k in a)
     # Run totals continue across the resume (checkpoint steps are log steps).
     assert full_m[-1]["train/samples_total"] == split_m[-1]["train/samples_total"] == sum(
         counts.values())
@@ -135,7 +137,13 @@ def test_checkpoint_holds_the_training_state_and_a_servable_drafter(runs):
     assert state["step"] == STOP_AT and state["epoch"] == 0
     loop = state["loop"]
     assert loop["optimizer_step"] == STOP_AT and loop["schedule"]["step_count"] == STOP_AT
-    assert loop["optimizer"]["state"], "AdamW moments missing"
+    # Weights and AdamW moments are DCP shards in train/, not in state.pt.
+    assert "optimizer" not in loop and "drafter" not in state
+    latest = folder / (folder / "latest").read_text().strip()
+    keys = FileSystemReader(latest / TRAIN_DIR).read_metadata().state_dict_metadata
+    assert any(k.startswith("optimizer.state.") and k.endswith(".exp_avg_sq") for k in keys), \
+        "AdamW moments missing"
+    assert any(k.startswith("drafter.") for k in keys)
     assert set(state["rng"]) >= {"python", "numpy", "torch"}
     assert state["tracker_run_id"] == runs["first_trainer"].trackers.run_id
     assert state["monitor"]["totals"]["train/samples_total"] > 0
@@ -145,11 +153,9 @@ def test_checkpoint_holds_the_training_state_and_a_servable_drafter(runs):
     assert state["data"] == {"sha256": store.content_hash, "store": str(store.path),
                              "samples": len(store)}
     # The drafter folder is the z-lab export (bf16) of the same weights.
-    latest = folder / (folder / "latest").read_text().strip()
-    final = load_state(latest)
     drafter = load_drafter(latest / "drafter")
     exported = drafter.state_dict()
-    for key, value in final["drafter"].items():
+    for key, value in load_drafter_weights(latest).items():
         if key in exported:
             assert torch.equal(exported[key], value.to(torch.bfloat16).float()), key
     assert (latest / "config.yaml").is_file()
@@ -194,18 +200,7 @@ def test_wandb_run_continues_with_the_same_id(runs):
 def test_refused_resumes_exit_2_with_the_reason(runs, setup, tmp_path: Path, capsys):
     split_dir = runs["split_dir"]
     config_before = (split_dir / "config.yaml").read_bytes()
-    # Another world size: the same checkpoint, as if written by 2 ranks.
-    forged = tmp_path / "forged"
-    latest = split_dir / "checkpoints" / (split_dir / "checkpoints" / "latest").read_text()
-    shutil.copytree(latest, forged)
-    state = torch.load(forged / "state.pt", weights_only=False)
-    state["world_size"] = 2
-    torch.save(state, forged / "state.pt")
-    torch.save({"rng": state["rng"], "prefetch": state["prefetch"]}, forged / "rank-1.pt")
-    (forged / "manifest.json").unlink()
-    _write_manifest(forged, state["step"])
     cases = [
-        (tmp_path / "other", [f"checkpoint.resume={forged}"], "written by 2 rank(s), this run has 1"),
         (split_dir, ["checkpoint.resume=auto", "training.seed=7"], "training.seed was 42"),
         (split_dir, ["checkpoint.resume=auto", "pipeline.tokens_per_batch=512"],
          "pipeline.tokens_per_batch was 256"),
@@ -219,6 +214,29 @@ def test_refused_resumes_exit_2_with_the_reason(runs, setup, tmp_path: Path, cap
     with pytest.raises(ResumeError):
         Trainer(load_config(None, overrides(setup, split_dir, "training.num_anchors=8",
                                             "checkpoint.resume=auto")))
+
+
+def test_a_checkpoint_of_the_single_file_layout_says_how_to_continue(runs, setup, tmp_path: Path,
+                                                                    capsys):
+    """A checkpoint written before the DCP shards (the weights inside state.pt) is refused with
+    one line naming the warm start that continues from its weights."""
+    old = tmp_path / "old"
+    ckpt = runs["split_dir"] / "checkpoints"
+    shutil.copytree(ckpt / (ckpt / "latest").read_text(), old)
+    state = torch.load(old / "state.pt", weights_only=False)
+    torch.save({**state, "drafter": load_drafter_weights(old)}, old / "state.pt")
+    shutil.rmtree(old / TRAIN_DIR)
+    (old / "manifest.json").unlink()
+    _write_manifest(old, state["step"])
+    assert cli_main(["train", *overrides(setup, tmp_path / "run", f"checkpoint.resume={old}")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (
+        f"dflash-trainer train: checkpoint error: cannot resume from {old}: it is a checkpoint in "
+        f"the earlier single-file layout (state.pt with the weights), which this version does not "
+        f"resume; start a new run (another run_dir, or --overwrite) from its weights with "
+        f"model.init_from={old / 'drafter'} (the optimizer state and data position start over)")
+    assert cli_main(["train", *overrides(setup, tmp_path / "warm", f"model.init_from={old / 'drafter'}",
+                                         "training.max_steps=1")]) == 0
 
 
 def test_corrupt_latest_checkpoint_is_skipped_by_the_trainer(runs, setup, tmp_path: Path,

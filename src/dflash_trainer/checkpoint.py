@@ -3,17 +3,23 @@
 Layout under ``RUN_DIR/checkpoints``::
 
     step-N/            a complete checkpoint (renamed into place only once fully written)
-      state.pt         training state of this rank set (weights, optimizer, schedule, data cursor, RNG)
+      train/           drafter weights and AdamW state: a torch.distributed.checkpoint (DCP)
+                       folder, one shard file per rank plus its ``.metadata``
+      state.pt         the rest of rank 0's state (schedule, counters, data cursor, RNG, run totals)
       rank-R.pt        per-rank state (RNG, data cursor) for R > 0
       drafter/         the drafter in the z-lab export format (servable as is)
       config.yaml      the run configuration the checkpoint was written with
       manifest.json    file sizes and SHA-256 of every file above, written last
     latest             text file naming the newest complete checkpoint (replaced atomically)
 
-The training loop only takes a snapshot (tensors copied to CPU) between steps; a background
-thread writes it to ``step-N.tmp/``, fsyncs every file and the folder, renames it to
-``step-N/`` and then moves ``latest``. A crash at any moment leaves ``latest`` naming a
-complete checkpoint; a partial or corrupt folder fails manifest validation and is skipped.
+The training loop only takes a snapshot between steps: a CPU copy of the tensors this rank
+writes (its own shards; replicated tensors are split between the ranks). Every rank's
+background thread then writes its part with ``dcp.save`` into ``step-N.tmp/train/``, on a
+process group of its own. ``dcp.save`` returns on rank 0 once every rank's shards are written
+and synced, and only then does rank 0's thread write the other files, the manifest, rename the
+folder to ``step-N/`` and move ``latest``: no rank waits for another in the training loop.
+A crash at any moment leaves ``latest`` naming a complete checkpoint; a partial or corrupt
+folder fails manifest validation and is skipped.
 Retention renames a folder out of the ``step-N`` namespace before deleting it. A ``step-N.tmp``
 left by a crash is never loaded and is deleted when the next :class:`Checkpointer` starts.
 A write that fails because the disk is full or the folder is read-only raises
@@ -34,12 +40,15 @@ import queue
 import shutil
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dflash_trainer.errors import EXIT_USAGE, CheckpointError, DiskError, UserError
 from dflash_trainer.fsutil import (
@@ -52,9 +61,15 @@ from dflash_trainer.fsutil import (
 )
 
 log = logging.getLogger(__name__)
+# A single process saves and loads DCP folders without a process group on purpose (no_dist).
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or "
+                        "uninitialized", category=UserWarning)
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
+TRAIN_DIR = "train"
+"""The DCP folder of a checkpoint: drafter weights (``drafter.*``) and AdamW state
+(``optimizer.*``)."""
 _TRASH = ".deleting"
 WRITER_NICE = 10
 """Niceness of the writer thread (Linux): the training threads win the CPU when both want it."""
@@ -66,11 +81,19 @@ class ResumeError(CheckpointError):
     exit_code = EXIT_USAGE
 
 
+def _is_dtensor(obj: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(obj, DTensor)
+
+
 def snapshot(obj: Any) -> Any:
     """Deep copy of a state tree with every tensor detached and copied to CPU.
 
     This is the only part of a save that runs on the training thread; it must finish
-    before the optimizer mutates parameters again.
+    before the optimizer mutates parameters again. A DTensor copies only its local shard and
+    keeps its mesh and placements (``DTensor.from_local`` would move the copy back to the
+    mesh's device).
     """
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
@@ -79,6 +102,81 @@ def snapshot(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(snapshot(v) for v in obj)
     return obj
+
+
+def local_part(state: dict[str, Any], rank: int, world_size: int) -> dict[str, Any]:
+    """The part of a training state tree that ``rank`` writes: its own shard of every sharded
+    DTensor, its share of the plain (replicated) tensors, and on rank 0 the other values.
+
+    Replicated tensors (every tensor under DDP) are split by size, largest first, each to the
+    rank with the fewest bytes so far, so that every rank copies and writes about
+    1/world_size of them. Every rank computes the same split from the same shapes.
+    """
+    leaves: list[tuple[tuple[Any, ...], torch.Tensor]] = []
+
+    def collect(node: Any, path: tuple[Any, ...]) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                collect(value, (*path, key))
+        elif isinstance(node, torch.Tensor) and not _is_dtensor(node):
+            leaves.append((path, node))
+
+    collect(state, ())
+    load = [0] * world_size
+    mine: set[tuple[Any, ...]] = set()
+    for path, tensor in sorted(leaves, key=lambda leaf: (-leaf[1].numel() * leaf[1].element_size(),
+                                                         repr(leaf[0]))):
+        owner = min(range(world_size), key=lambda r: (load[r], r))
+        load[owner] += tensor.numel() * tensor.element_size()
+        if owner == rank:
+            mine.add(path)
+
+    def keep(node: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(node, dict):
+            kept = {key: keep(value, (*path, key)) for key, value in node.items()}
+            return {key: value for key, value in kept.items() if value is not _DROP}
+        if _is_dtensor(node):
+            return node
+        if isinstance(node, torch.Tensor):
+            return node if path in mine else _DROP
+        return node if rank == 0 else _DROP
+
+    return keep(state, ())
+
+
+_DROP = object()
+
+
+def save_train_state(state: dict[str, Any], folder: Path, *, group: Any = None) -> None:
+    """Write this rank's part of the training state (see :func:`local_part`) into the DCP
+    folder ``folder``; a collective over ``group`` (None: a single process)."""
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(folder), process_group=group,
+             no_dist=group is None)
+
+
+def load_train_state(template: dict[str, Any], folder: Path, *, group: Any = None) -> None:
+    """Read a DCP folder into ``template``'s tensors, in place; each rank reads the parts of
+    its own tensors, whatever the world size that wrote them (a collective over ``group``)."""
+    dcp.load(template, storage_reader=dcp.FileSystemReader(folder), process_group=group,
+             no_dist=group is None)
+
+
+def load_drafter_weights(folder: Path, *, dtype: torch.dtype | None = None,
+                         skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """The drafter's whole (unsharded) weights from checkpoint ``folder`` in one process, cast to
+    ``dtype`` tensor by tensor (the drafter export reads them in bf16), except those named in
+    ``skip``."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(Path(folder) / TRAIN_DIR)
+    prefix = "drafter."
+    template = {key: torch.empty(meta.size, dtype=dtype or meta.properties.dtype)
+                for key, meta in reader.read_metadata().state_dict_metadata.items()
+                if key.startswith(prefix) and key.removeprefix(prefix) not in skip
+                and isinstance(meta, TensorStorageMetadata)}
+    if template:
+        dcp.load(template, storage_reader=reader, no_dist=True)
+    return {key.removeprefix(prefix): value for key, value in template.items()}
 
 
 def _write_manifest(folder: Path, step: int) -> None:
@@ -201,17 +299,23 @@ def resolve_resume(resume: str | None, ckpt_dir: Path) -> Path | None:
 
 
 def load_state(folder: Path, rank: int = 0) -> dict[str, Any]:
-    """Load the training state of ``rank`` from a checkpoint folder that
-    :func:`resolve_resume` (or :func:`validate_checkpoint`) validated: the checksums are
-    checked there, once. Memory-mapped: a tensor is read when it is used. ``state["rank"]``
-    holds the state of ``rank`` > 0 (its RNG and data position)."""
+    """Load ``state.pt`` (and ``rank-R.pt`` of ``rank`` > 0 as ``state["rank"]``: its RNG and
+    data position) from a checkpoint folder that :func:`resolve_resume` (or
+    :func:`validate_checkpoint`) validated: the checksums are checked there, once. The weights
+    and optimizer state are in ``train/`` (:func:`load_train_state`,
+    :func:`load_drafter_weights`)."""
     state = torch.load(folder / "state.pt", map_location="cpu", weights_only=False, mmap=True)
     if rank > 0:
-        rank_file = folder / f"rank-{rank}.pt"
-        if not rank_file.is_file():
-            raise CheckpointError(f"{folder}: no state for rank {rank} (different world size?)")
-        state["rank"] = torch.load(rank_file, map_location="cpu", weights_only=False)
+        state["rank"] = load_rank_state(folder, rank)
     return state
+
+
+def load_rank_state(folder: Path, rank: int) -> dict[str, Any]:
+    """``rank-R.pt`` of ``rank`` > 0: its RNG states and data position."""
+    rank_file = folder / f"rank-{rank}.pt"
+    if not rank_file.is_file():
+        raise CheckpointError(f"{folder}: no state for rank {rank} (different world size?)")
+    return torch.load(rank_file, map_location="cpu", weights_only=False)
 
 
 @dataclass(kw_only=True)
@@ -220,13 +324,17 @@ class SaveRequest:
 
     step: int
     state: dict[str, Any]
+    """``state.pt`` (rank 0)."""
     rank_states: dict[int, Any]
+    """``rank-R.pt`` contents by rank (rank 0)."""
     export: Callable[[Path], None] | None
     """Writes the servable drafter folder (runs on the writer thread)."""
     best: bool = False
     """Mark this checkpoint best once written (kept beyond ``keep_last``)."""
     files: dict[str, str] = field(default_factory=dict)
     """Small text files to write into the folder (name -> content)."""
+    shards: dict[str, Any] | None = None
+    """This rank's part of the training state, written to ``train/`` with DCP (every rank)."""
 
 
 class Checkpointer:
@@ -235,10 +343,19 @@ class Checkpointer:
     ``save`` blocks only if a previous write is still in progress when the next one is
     requested (the queue holds one pending save), which bounds memory to two snapshots.
     Retention keeps the ``keep_last`` newest ``step-N`` folders plus the one marked best.
+
+    Every rank has one: each writes its shards (``dcp.save`` over ``group``, a process group
+    the training loop does not use, so the writer threads' collectives never interleave with
+    the training's). Only rank 0 writes the rest of the folder, renames it and moves
+    ``latest``; it does so when its ``dcp.save`` returns, which is after every rank's shards
+    are on disk. ``group`` None: a single process.
     """
 
-    def __init__(self, ckpt_dir: Path, *, keep_last: int, async_save: bool = True) -> None:
+    def __init__(self, ckpt_dir: Path, *, keep_last: int, async_save: bool = True, rank: int = 0,
+                 group: Any = None) -> None:
         self.ckpt_dir = Path(ckpt_dir)
+        self.rank = rank
+        self.group = group
         self.keep_last = keep_last
         self.async_save = async_save
         self.best_step: int | None = None
@@ -273,8 +390,8 @@ class Checkpointer:
             self.best_step = step
 
     def _remove_stale(self) -> None:
-        """Delete ``step-N.tmp`` and trash folders a crashed run left (never loaded)."""
-        if not self.ckpt_dir.is_dir():
+        """Delete ``step-N.tmp`` and trash folders a crashed run left (never loaded; rank 0)."""
+        if self.rank != 0 or not self.ckpt_dir.is_dir():
             return
         for folder in self.ckpt_dir.iterdir():
             if folder.is_dir() and folder.name.endswith((".tmp", _TRASH)):
@@ -331,9 +448,13 @@ class Checkpointer:
     def _write(self, request: SaveRequest) -> None:
         tmp = self.ckpt_dir / f"{step_name(request.step)}.tmp"
         try:
-            self._write_folder(request, tmp)
-        except (OSError, RuntimeError) as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if self.rank == 0:
+                self._write_folder(request, tmp)
+            elif request.shards is not None:
+                save_train_state(request.shards, tmp / TRAIN_DIR, group=self.group)
+        except (OSError, RuntimeError, CheckpointException) as exc:
+            if self.rank == 0:  # the other ranks' dcp.save has returned (or failed) by now
+                shutil.rmtree(tmp, ignore_errors=True)
             problem = _disk_problem(self.ckpt_dir, exc)
             if problem is None:
                 raise
@@ -345,9 +466,12 @@ class Checkpointer:
         start = time.perf_counter()
         self.ckpt_dir.mkdir(parents=True, exist_ok=True)
         final = self.ckpt_dir / step_name(request.step)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        # Other ranks may have created it already (their dcp.save); a stale one was removed
+        # when this checkpointer started.
+        tmp.mkdir(exist_ok=True)
+        if request.shards is not None:
+            # Returns once every rank's shards are written and fsynced, and .metadata too.
+            save_train_state(request.shards, tmp / TRAIN_DIR, group=self.group)
         _save(request.state, tmp / "state.pt")
         for rank, rank_state in request.rank_states.items():
             _save(rank_state, tmp / f"rank-{rank}.pt")
@@ -396,7 +520,9 @@ def _disk_problem(folder: Path, exc: BaseException) -> str | None:
     Besides the exception chain, the folder itself is examined: a failure that lost its errno
     on the way (a library's own error) is still recognised as a full or read-only disk.
     """
-    error = disk_oserror(exc)
+    # DCP collects each rank's failure, (exception, stack), instead of chaining it.
+    causes = [exc, *(f[0] for f in getattr(exc, "failures", {}).values())]
+    error = next((e for e in map(disk_oserror, causes) if e is not None), None)
     if error is not None:
         return os.strerror(error.errno or 0)
     probe = folder if folder.is_dir() else folder.parent

@@ -11,8 +11,9 @@ here:
   the main thread runs the drafter's; two threads on one group could interleave their
   collectives differently on different ranks and deadlock.
 
-Sharded modules are saved and loaded through full (unsharded) state dicts, so a checkpoint
-looks the same whatever the wrapping.
+Checkpoints hold the training state as ``torch.distributed.checkpoint`` shards
+(:func:`training_state`, :func:`apply_training_state`): each rank writes and reads only its
+part, and a checkpoint loads at any world size and with either wrapping.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ from torch import nn
 
 from dflash_trainer.config import DistributedConfig, PipelineConfig
 
-__all__ = ["CollectiveTimer", "DistInfo", "all_reduce_sum", "check_distributed_options",
-           "close_distributed", "full_model_state", "full_optimizer_state", "gather_objects",
-           "gradient_sync", "init_distributed", "is_sharded", "load_model_state",
-           "load_optimizer_state", "replicated_value", "resolve_device", "target_load_device",
+__all__ = ["CollectiveTimer", "DistInfo", "all_reduce_sum", "apply_training_state",
+           "check_distributed_options", "checkpoint_group", "close_distributed",
+           "full_model_state", "gather_objects", "gradient_sync", "init_distributed", "is_dtensor",
+           "is_sharded",
+           "replicated_value", "resolve_device", "target_load_device", "training_state",
            "wrap_drafter", "wrap_target"]
 
 
@@ -88,6 +90,19 @@ def init_distributed(pipeline: PipelineConfig, cfg: DistributedConfig) -> DistIn
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=cfg.timeout_s),
                                 **kwargs)
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def checkpoint_group(info: DistInfo, cfg: DistributedConfig) -> dist.ProcessGroup | None:
+    """A gloo process group for the checkpoint writer threads (None in a single process).
+
+    Their ``dcp.save`` collectives run while the training thread runs its own on the default
+    group; on one group, the two threads' collectives could interleave differently on
+    different ranks and deadlock. gloo, as the snapshots are CPU tensors. Every rank must
+    call this at the same point (it creates a group).
+    """
+    if not info.enabled:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
 
 
 def _backend(cfg: DistributedConfig, device: torch.device) -> str:
@@ -201,7 +216,7 @@ def wrap_target(model: nn.Module, info: DistInfo, cfg: DistributedConfig) -> nn.
     # Same tensor objects, new storage: tied embeddings stay tied.
     for sub in model.modules():
         for tensor in (*sub._parameters.values(), *sub._buffers.values()):
-            if tensor is not None and not _is_dtensor(tensor) and tensor.device != info.device:
+            if tensor is not None and not is_dtensor(tensor) and tensor.device != info.device:
                 tensor.data = tensor.data.to(info.device)
     return model
 
@@ -209,7 +224,8 @@ def wrap_target(model: nn.Module, info: DistInfo, cfg: DistributedConfig) -> nn.
 # -- state -------------------------------------------------------------------------------
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (a shard of an FSDP2-sharded tensor, or replicated)."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor)
@@ -217,12 +233,12 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 
 def is_sharded(module: nn.Module) -> bool:
     """Whether any parameter of ``module`` is a DTensor (FSDP2-sharded)."""
-    return any(_is_dtensor(p) for p in module.parameters())
+    return any(is_dtensor(p) for p in module.parameters())
 
 
 def replicated_value(tensor: torch.Tensor) -> torch.Tensor:
     """A plain tensor for a replicated DTensor result (e.g. FSDP's clip_grad_norm_); no comm."""
-    return tensor.full_tensor() if _is_dtensor(tensor) else tensor
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
 
 def full_model_state(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -234,47 +250,27 @@ def full_model_state(module: nn.Module) -> dict[str, torch.Tensor]:
     state = module.state_dict()
     if not is_sharded(module):
         return state
-    return {key: value.full_tensor().cpu() if _is_dtensor(value) else value
+    return {key: value.full_tensor().cpu() if is_dtensor(value) else value
             for key, value in state.items()}
 
 
-def load_model_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a full (unsharded) state dict into a plain or sharded module (every rank)."""
-    if not is_sharded(module):
-        module.load_state_dict(state)
-        return
-    from torch.distributed.tensor import distribute_tensor
+def training_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"drafter": weights, "optimizer": AdamW state}`` keyed by parameter name, as this rank
+    holds them (DTensor shards under FSDP2, whole tensors under DDP or alone): what DCP saves,
+    and the template it loads into. Nothing is copied or gathered."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    current = module.state_dict()
-    # Every rank holds the full tensors, so each keeps its own shard (src_data_rank=None:
-    # no scatter from rank 0).
-    module.load_state_dict({
-        key: distribute_tensor(value.to(current[key].device), current[key].device_mesh,
-                               current[key].placements, src_data_rank=None)
-        if key in current and _is_dtensor(current[key]) else value
-        for key, value in state.items()})
+    weights, optim = get_state_dict(module, optimizer)
+    return {"drafter": weights, "optimizer": optim}
 
 
-def full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state, unsharded when ``module`` is sharded (collective: every rank)."""
-    if not is_sharded(module):
-        return optimizer.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    return get_optimizer_state_dict(module, optimizer, options=StateDictOptions(
-        full_state_dict=True, cpu_offload=True))
-
-
-def load_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer,
+def apply_training_state(module: nn.Module, optimizer: torch.optim.Optimizer,
                          state: dict[str, Any]) -> None:
-    """Load :func:`full_optimizer_state` output on every rank."""
-    if not is_sharded(module):
-        optimizer.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    """Load :func:`training_state` (filled by ``dcp.load``) into ``module`` and ``optimizer``."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    set_optimizer_state_dict(module, optimizer, state,
-                             options=StateDictOptions(full_state_dict=True))
+    set_state_dict(module, optimizer, model_state_dict=state["drafter"],
+                   optim_state_dict=state["optimizer"])
 
 
 # -- step-time collectives ---------------------------------------------------------------

@@ -26,13 +26,15 @@ import torch
 import yaml
 
 from dflash_trainer.checkpoint import (
-    Checkpointer, ResumeError, SaveRequest, checkpoint_names, load_state, resolve_resume,
-    snapshot)
+    TRAIN_DIR, Checkpointer, ResumeError, SaveRequest, checkpoint_names, load_drafter_weights,
+    load_rank_state, load_state, load_train_state, local_part, resolve_resume, snapshot)
 from dflash_trainer.components import Components, build
 from dflash_trainer.config import Config, config_to_dict, save_config, upgrade_saved_config
+from dflash_trainer.data.buckets import Plan, build_plan
+from dflash_trainer.data.resize import Resize, ResizedPlans
 from dflash_trainer.distributed import (
-    DistInfo, check_distributed_options, close_distributed, full_model_state,
-    full_optimizer_state, init_distributed, is_sharded, load_model_state, load_optimizer_state)
+    DistInfo, apply_training_state, check_distributed_options, checkpoint_group,
+    close_distributed, full_model_state, init_distributed, is_dtensor, is_sharded, training_state)
 from dflash_trainer.errors import ConfigError, UserError
 from dflash_trainer.fsutil import disk_error, step_of
 from dflash_trainer.locks import FolderLock, run_folder_lock
@@ -113,14 +115,9 @@ def _differences(old: Any, new: Any, key: str) -> list[tuple[str, Any, Any]]:
     return [] if old == new else [(key, old, new)]
 
 
-def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any], *,
-                            saved_world: int, world: int) -> None:
-    """Refuse a resume whose data order, model or world size differ from the checkpoint."""
-    if saved_world != world:
-        raise ResumeError(
-            f"cannot resume: the checkpoint was written by {saved_world} rank(s), this run has "
-            f"{world}; the data plan is step-aligned per rank, so resume with the same number "
-            f"of ranks")
+def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """Refuse a resume whose data order or model differ from the checkpoint (another world size
+    is resumed, see :mod:`dflash_trainer.data.resize`)."""
     for key in RESUME_KEYS:
         for leaf, old, new in _differences(_pick(saved, key), _pick(current, key), key):
             if leaf not in RESUME_FREE:
@@ -142,6 +139,16 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def _reseed(seed: int, step: int, rank: int, device: torch.device) -> None:
+    """Seed Python, NumPy and torch (CPU and CUDA) RNGs from (seed, step, rank)."""
+    value = int(np.random.SeedSequence([seed % 2**63, step, rank]).generate_state(1)[0])
+    random.seed(value)
+    np.random.seed(value)
+    torch.manual_seed(value)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(value)
 
 
 class BestCheckpoint:
@@ -215,6 +222,8 @@ class Trainer:
         self.dist: DistInfo = init_distributed(cfg.pipeline, cfg.distributed)
         check_distributed_options(cfg.distributed, self.dist,
                                   in_training_eval=bool(cfg.eval.every_steps))
+        self.checkpoint_group = checkpoint_group(self.dist, cfg.distributed)
+        """The checkpoint writer threads' process group (None in a single process)."""
         if cfg.pipeline.num_threads:
             torch.set_num_threads(cfg.pipeline.num_threads)
         elif self.dist.device.type == "cpu":
@@ -240,6 +249,8 @@ class Trainer:
         self._best = BestCheckpoint(by_eval=bool(cfg.eval.every_steps))
         self._snapshot_step: int | None = None
         """Optimizer step of the last snapshot this run took (same on every rank)."""
+        self._resizes: list[Resize] = []
+        """World size changes in the epoch being trained (resumes on another world size)."""
         try:
             # Validated before anything is written, so a refused resume leaves the run dir as
             # it was.
@@ -249,7 +260,8 @@ class Trainer:
                     self._remove_earlier_run()
                 save_config(cfg, self.run_dir)
             self.checkpointer = Checkpointer(self.ckpt_dir, keep_last=cfg.checkpoint.keep_last,
-                                             async_save=cfg.checkpoint.async_save)
+                                             async_save=cfg.checkpoint.async_save,
+                                             rank=self.dist.rank, group=self.checkpoint_group)
             self.trackers = build_trackers(
                 cfg.logging, self.run_dir, config_dict=config_to_dict(cfg),
                 is_rank0=self.dist.is_main,
@@ -384,46 +396,144 @@ class Trainer:
 
     def _read_resume(self) -> dict[str, Any] | None:
         """This rank's part of ``checkpoint.resume`` (validated, checked against the config
-        and the data's content)."""
+        and the data's content).
+
+        Rank 0 alone validates the folder (manifest, sizes, checksums) and checks it against
+        this run; it broadcasts the verdict, so the other ranks neither hash the files nor
+        report the same refusal again.
+        """
+        folder: Path | None = None
+        refusal: UserError | None = None
+        if self.dist.is_main:
+            try:
+                folder = self._choose_resume()
+            except UserError as exc:
+                refusal = exc
+        if self.dist.enabled:
+            box: list[Any] = [(None if folder is None else str(folder),
+                               None if refusal is None else (type(refusal), str(refusal)))]
+            torch.distributed.broadcast_object_list(box, src=0)
+            chosen, refused = box[0]
+            folder = None if chosen is None else Path(chosen)
+            if refused is not None and refusal is None:
+                refusal = refused[0](refused[1])
+                refusal.reported_by_rank0 = True  # type: ignore[attr-defined]
+        if refusal is not None:
+            raise refusal
+        if folder is None:
+            return None  # a fresh start (see _check_run_folder), or resume=auto with nothing saved
+        state = load_state(folder)
+        if state["world_size"] != self.dist.world_size:
+            self._resize(state)
+        elif self.dist.rank > 0:  # its own RNG streams and data position
+            own = load_rank_state(folder, self.dist.rank)
+            state.update(rng=own["rng"], prefetch=own["prefetch"])
+        self._use_resized_plans(state)
+        state["train_dir"] = folder / TRAIN_DIR
+        step = int(state["step"])
+        log.info("resumed from %s at optimizer step %d", folder, step)
+        return state
+
+    def _resize(self, state: dict[str, Any]) -> None:
+        """A checkpoint of another world size (every rank, the same): the rest of the
+        interrupted epoch is dealt to this run's ranks from the global data cursor (rank 0's;
+        all ranks are at the same step), and every rank's RNG streams are reseeded from
+        (seed, step, rank), as there is no saved stream for a new rank."""
+        cursor = state["prefetch"]
+        resize = Resize(epoch=cursor["epoch"], step=cursor["step"], old=state["world_size"],
+                        new=self.dist.world_size)
+        state["resizes"] = [*(r for r in state.get("resizes", []) if r["epoch"] == resize.epoch),
+                            resize.as_dict()]
+        state["prefetch"] = {**cursor, "world_size": self.dist.world_size}
+        state["rng"] = None
+
+    def _resized_plans(self, state: dict[str, Any]) -> ResizedPlans | None:
+        """The plans with the data cursor's epoch resized (see :meth:`_resize`), or None when it
+        was not; raises ValueError if the samples left cannot feed every rank."""
+        epoch = state["prefetch"]["epoch"]
+        resizes = [Resize(**r) for r in state.get("resizes", []) if r["epoch"] == epoch]
+        if not resizes:
+            return None
+        cfg, base = self.cfg, self.parts.plans
+
+        def build(epoch: int, world_size: int) -> Plan:
+            return build_plan(base.lengths, cfg.pipeline, seed=cfg.training.seed, epoch=epoch,
+                              world_size=world_size)
+
+        plans = ResizedPlans(base, resizes, build)
+        plans(epoch)
+        return plans
+
+    def _use_resized_plans(self, state: dict[str, Any]) -> None:
+        """Plan the epoch of the data cursor as resized, if it was; the run's total steps follow."""
+        plans = self._resized_plans(state)
+        if plans is None:
+            return
+        self._resizes = plans.resizes
+        self.parts.plans = plans
+        cfg = self.cfg
+        # As components.build counts them, over the resized epoch.
+        total = max(1, plans.total_steps(cfg.training.epochs) // cfg.training.grad_accum)
+        if cfg.training.max_steps is not None:
+            total = min(total, cfg.training.max_steps)
+        self.parts.total_steps = total
+
+    def _choose_resume(self) -> Path | None:
+        """Rank 0: the validated checkpoint folder to resume from (None: a fresh start), checked
+        against this run's config, target, data and world size."""
         resume = self.cfg.checkpoint.resume
         folder = resolve_resume(resume, self.ckpt_dir)
         if folder is None:
-            return None  # a fresh start (see _check_run_folder), or resume=auto with nothing saved
-        state = load_state(folder, rank=self.dist.rank)
-        check_resume_compatible(upgrade_saved_config(state["config"]), config_to_dict(self.cfg),
-                                saved_world=state["world_size"], world=self.dist.world_size)
+            return None
+        state = load_state(folder)
+        if "drafter" in state:  # the weights inside state.pt: the layout before DCP shards
+            raise ResumeError(
+                f"cannot resume from {folder}: it is a checkpoint in the earlier single-file "
+                f"layout (state.pt with the weights), which this version does not resume; start "
+                f"a new run (another run_dir, or --overwrite) from its weights with "
+                f"model.init_from={folder / 'drafter'} (the optimizer state and data position "
+                f"start over)")
+        check_resume_compatible(upgrade_saved_config(state["config"]), config_to_dict(self.cfg))
         check_fits_target(read_drafter_config(folder / "drafter"), self.target.config, self.tokenizer,
                           drafter=f"checkpoint.resume={folder}", target=self.cfg.model.target,
                           fix="resume with the target it was trained on", error=ResumeError)
         check_same_data(state.get("data"), self.data_identity, folder=folder)
-        own = state.pop("rank", None)
-        if own is not None:  # rank > 0: its own RNG streams and data position
-            state.update(rng=own["rng"], prefetch=own["prefetch"])
         step = int(state["step"])
+        if state["world_size"] != self.dist.world_size:
+            self._check_resize(state, folder)
         newer = sorted(p.name for p in self.ckpt_dir.glob("step-*")
                        if p.is_dir() and (step_of(p) or 0) > step)
-        if newer and self.dist.is_main:
+        if newer:
             log.warning("resuming from step %d: newer checkpoints %s belong to the abandoned "
                         "continuation and will be replaced as this run reaches their steps",
                         step, ", ".join(newer))
-        log.info("resumed from %s at optimizer step %d", folder, step)
-        if self.dist.is_main:
-            print(f"resumed from {folder} at step {step}", flush=True)
-        return state
+        print(f"resumed from {folder} at step {step}", flush=True)
+        return folder
+
+    def _check_resize(self, state: dict[str, Any], folder: Path) -> None:
+        """Rank 0: refuse a world size the rest of the checkpoint's epoch cannot feed; say what
+        a resume on another world size does."""
+        resized = dict(state)
+        self._resize(resized)
+        try:
+            self._resized_plans(resized)
+        except ValueError as exc:
+            raise ResumeError(f"cannot resume {folder} with {self.dist.world_size} rank(s): {exc}; "
+                              f"resume with fewer ranks, or from another checkpoint") from exc
+        epoch, step = resized["prefetch"]["epoch"], resized["prefetch"]["step"]
+        print(f"resuming a checkpoint of {state['world_size']} rank(s) with "
+              f"{self.dist.world_size}: the batches left in epoch {epoch} from step {step} on "
+              f"are dealt to the {self.dist.world_size} rank(s); later epochs are planned for "
+              f"them", flush=True)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a checkpoint holds for this rank, at a step boundary.
-
-        A collective when the drafter is sharded: call it on every rank.
-        """
+        """Everything a checkpoint holds for this rank at a step boundary, except the weights and
+        the optimizer state (:meth:`training_state`, saved as DCP shards)."""
         step_state = self.drafter_step.state_dict()
-        if is_sharded(self.parts.objective):
-            step_state["optimizer"] = full_optimizer_state(self.parts.objective,
-                                                           self.drafter_step.optimizer)
+        del step_state["optimizer"]  # in training_state
         return {
             "step": self.drafter_step.optimizer_step,
             "epoch": self.drafter_step.last_epoch,
-            "drafter": full_model_state(self.drafter),
             "loop": step_state,  # the drafter step's state, under its key of every checkpoint
             **self.pipeline.state_dict(),
             "rng": _rng_state(self.device),
@@ -431,19 +541,23 @@ class Trainer:
             "best": self._best.best,
             "config": config_to_dict(self.cfg),
             "world_size": self.dist.world_size,
+            "resizes": [r.as_dict() for r in self._resizes],
             "data": self.data_identity,
         }
 
+    def training_state(self) -> dict[str, Any]:
+        """The drafter's weights and AdamW state as this rank holds them (its shards under
+        FSDP): what ``train/`` of a checkpoint holds (live tensors, not a copy)."""
+        return training_state(self.drafter, self.drafter_step.optimizer)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Apply a checkpoint's state: weights, optimizer and schedule, data position, run
-        totals, RNG streams and the best checkpoint so far (before :meth:`train`)."""
-        load_model_state(self.drafter, state["drafter"])
-        step_state = state["loop"]
-        objective = self.parts.objective
-        if is_sharded(objective):
-            # Saved unsharded (see state_dict); each rank keeps its shard.
-            load_optimizer_state(objective, self.drafter_step.optimizer, step_state["optimizer"])
-            step_state = {**step_state, "optimizer": self.drafter_step.optimizer.state_dict()}
+        """Apply a checkpoint's state: weights, optimizer and schedule (read from
+        ``state["train_dir"]``, each rank its own part), data position, run totals, RNG streams
+        and the best checkpoint so far (before :meth:`train`)."""
+        template = self.training_state()
+        load_train_state(template, state["train_dir"], group=self.checkpoint_group)
+        apply_training_state(self.drafter, self.drafter_step.optimizer, template)
+        step_state = {**state["loop"], "optimizer": self.drafter_step.optimizer.state_dict()}
         self.drafter_step.load_state_dict(step_state)
         self.pipeline.load_state_dict(state)
         self._best.best = state.get("best")
@@ -454,7 +568,11 @@ class Trainer:
             log.warning("the LR schedule of the checkpoint spans %d steps, this config %d: the "
                         "schedule keeps the checkpoint's curve; the run stops at step %d",
                         self.drafter_step.schedule.total_steps, self.total_steps, self.total_steps)
-        _set_rng_state(state["rng"], self.device)
+        if state["rng"] is None:  # resumed on another world size (see _resize)
+            _reseed(self.cfg.training.seed, self.drafter_step.optimizer_step, self.dist.rank,
+                    self.device)
+        else:
+            _set_rng_state(state["rng"], self.device)
 
     def save_checkpoint(self, *, eval_tau: float | None = None) -> None:
         """Snapshot between steps (main thread), then hand the write to the checkpointer.
@@ -467,6 +585,8 @@ class Trainer:
         score = eval_tau if self._best.metric == "eval/tau" else self.drafter_step.loss_since_checkpoint()
         is_best = self.dist.is_main and self._best.update(score, step)
         full = self.state_dict()
+        # This rank's shards only: under DDP the replicated tensors are split between ranks.
+        shards = snapshot(local_part(self.training_state(), self.dist.rank, self.dist.world_size))
         rank_states: dict[int, Any] = {}
         if self.dist.enabled:
             gathered: list[Any] = [None] * self.dist.world_size
@@ -474,22 +594,33 @@ class Trainer:
                 gathered, {"rng": full["rng"], "prefetch": full["prefetch"]})
             rank_states = {r: s for r, s in enumerate(gathered) if r > 0}
         if not self.dist.is_main:
+            self.checkpointer.save(SaveRequest(step=step, state={}, rank_states={}, export=None,
+                                               shards=shards))
             return
         state = snapshot(full)
         drafter_config = self.drafter.config
         target_config = self.target.config
 
+        # The whole weights this rank snapshotted (all of them alone or under DDP with one
+        # rank); the export reads the others back from the shards just written, in bf16, so
+        # that rank 0 never holds the whole fp32 state.
+        own = {key: value for key, value in shards.get("drafter", {}).items()
+               if not is_dtensor(value)}
+
         def export(path: Path) -> None:
+            weights = load_drafter_weights(path.parent, dtype=torch.bfloat16, skip=frozenset(own))
+            weights.update({key: value.to(torch.bfloat16) for key, value in own.items()})
             # Built on the meta device: a CPU build would draw its random init from the global
             # RNG, concurrently with the training thread, and change the run's random stream.
             with torch.device("meta"):
                 model = drafter_class(drafter_config)(drafter_config)
-            model.load_state_dict(state["drafter"], assign=True)
+            model.load_state_dict(weights, assign=True)
             export_drafter(model, path, target_config=target_config)
 
         self.checkpointer.save(SaveRequest(
             step=step, state=state, rank_states=rank_states, export=export, best=is_best,
-            files={"config.yaml": yaml.safe_dump(state["config"], sort_keys=False)}))
+            files={"config.yaml": yaml.safe_dump(state["config"], sort_keys=False)},
+            shards=shards))
 
     # -- the run ------------------------------------------------------------------------
 
@@ -684,8 +815,10 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         trainer = Trainer(cfg, overwrite=bool(getattr(args, "overwrite", False)))
-    except UserError:
+    except UserError as exc:
         close_distributed()  # every rank refuses the same config; a bug keeps the group for its traceback
+        if getattr(exc, "reported_by_rank0", False):
+            raise SystemExit(exc.exit_code) from None  # rank 0 prints it; the others exit quietly
         raise
     try:
         trainer.train()
