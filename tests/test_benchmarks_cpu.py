@@ -152,3 +152,29 @@ def test_attention_benchmark_compares_both_modes_at_small_shapes():
     anchors, sdpa, blockwise, ratio = row.split()
     assert anchors == "4" and float(sdpa) > 0 and float(blockwise) > 0
     assert math.isclose(float(ratio), float(blockwise) / float(sdpa), rel_tol=0.05, abs_tol=0.01)
+
+
+@pytest.mark.slow
+def test_dflash2_step_benchmark_tiny(tmp_path: Path):
+    out = tmp_path / "dflash2_step.json"
+    proc = _run("dflash2_step", "--vocab", "512", "--hidden", "64", "--blocks", "4", "--ranks", "8",
+                "--rank", "8", "--top-k", "4", "--repeats", "2", "--warmup", "1", "--memory-steps", "1",
+                "--samples", "1", "--threads", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    (group,) = report["groups"]
+    assert group["shape"] == {"hidden": 64, "block": 4, "all_slots": False, "vocab": 512}
+    base, arm = group["arms"]["dflash"], group["arms"]["dflash2-r8"]
+    # The arms took turns: as many timed steps each.
+    assert len(base["step_s"]) == len(arm["step_s"]) == 2
+    assert base["time_ratio"] == 1.0
+    assert math.isclose(arm["time_ratio"], sum(arm["step_s"]) / sum(base["step_s"]))
+    assert base["peak_extra_mb"] > 0 and arm["peak_extra_mb"] > 0
+    # The selector's codebooks and projection: 2 x vocab x rank + rank x hidden parameters more,
+    # and the convolutions' (2 x 2 x 64 + 64 x 64 / 4 per sublayer, 2 per layer, 2 layers).
+    conv = 2 * 2 * (2 * 2 * 64 + 64 * 2 * 2 * 64 // 16)
+    assert arm["trainable_params"] - base["trainable_params"] == 2 * 512 * 8 + 8 * 64 + conv
+    assert arm["adamw_state_mb"] == 2 * arm["weights_mb"]
+    assert arm["extra_time_by_op"][0]["op"] == "total"
+    assert isinstance(report["busy"], bool) and report["load_before"]["load_1m"] is not None
+    assert "dflash2-r8" in proc.stdout and "ms/step" in proc.stdout

@@ -116,6 +116,25 @@ def test_packed_training_blocks_equal_each_block_drafted_alone() -> None:
     torch.testing.assert_close(dense, packed, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("slots", range(1, BLOCK))
+def test_output_slots_equal_the_same_slots_of_whole_blocks(slots: int) -> None:
+    """With ``output_slots=K`` the last layer's MLP runs on rows 0..K of each block only (what
+    slots 1..K read through the convolutions); the slots equal those of the full forward."""
+    drafter = randomised(build_drafter(model_cfg(), target_config(), mask_token_id=9))
+    torch.manual_seed(8)
+    seq = 12
+    input_ids = torch.randint(20, V, (2, seq))
+    anchors, keep = torch.tensor([[2, 5, 6], [0, 3, 7]]), torch.tensor([[True, True, True], [True, False, True]])
+    noise_ids, block_positions = build_block_inputs(input_ids, anchors, keep, 9, BLOCK)
+    args = (position_ids(block_positions, seq), torch.randn(V, H)[noise_ids], torch.randn(2, seq, 2 * H))
+    layout = BlockLayout(anchors, keep, seq, BLOCK)
+    with torch.no_grad():
+        full = drafter(*args, attention_mask=layout)
+        part = drafter(*args, attention_mask=layout, output_slots=slots)
+    expected = full.unflatten(1, (-1, BLOCK))[:, :, 1:slots + 1].flatten(1, 2)
+    torch.testing.assert_close(part, expected, atol=1e-5, rtol=1e-5)
+
+
 # --- selector ----------------------------------------------------------------------------------
 
 @torch.no_grad()

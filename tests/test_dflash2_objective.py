@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig
 
 from dflash_trainer.config import ModelConfig
@@ -194,3 +196,77 @@ def test_a_dflash2_run_logs_the_selector_reports_it_exports_dflash2_and_resumes(
     assert "final tau_sim_selector (DFlash2)" in (run / "report" / "index.html").read_text()
     assert cli_main(["train", *args, "training.max_steps=3", "checkpoint.resume=auto"]) == 0
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["train/step"] == 3
+
+
+class _LargestOutput(TorchDispatchMode):
+    """Records the largest tensor any aten op creates (forward and backward) while active;
+    views of existing tensors are not created, so they do not count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.numel, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return out
+        for tensor in pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor) and tensor.numel() > self.numel:
+                self.numel, self.op = tensor.numel(), (func, tuple(tensor.shape))
+        return out
+
+
+def test_the_selector_never_forms_a_vocabulary_wide_tensor_per_slot() -> None:
+    """Nothing of the selector's loss, its gradient or its path metrics is as large as one
+    ``[slots, vocab]`` tensor, let alone ``[slots, k, vocab]``: only candidates' rows are read."""
+    vocab = 2048  # much larger than H, the rank and k, so a vocabulary-wide tensor stands out
+    target = LlamaConfig(hidden_size=H, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, vocab_size=vocab)
+    selector = build_drafter(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[1], variant="dflash2",
+                                         selector_rank=8, selector_top_k=TOP_K), target,
+                             mask_token_id=3).candidate_selector
+    torch.manual_seed(6)
+    head = torch.randn(vocab, H)
+    hidden = torch.randn(2, 3, 3, H, requires_grad=True)
+    unary, candidates = (hidden.detach() @ head.T).topk(TOP_K, dim=-1)
+    labels = candidates[..., 1].clone()
+    weights, keep = torch.ones(2, 3, 3), torch.ones(2, 3, dtype=torch.bool)
+    anchors = torch.randint(0, vocab, (2, 3))
+    slots = hidden[..., 0].numel()
+    largest = _LargestOutput()
+    with largest:
+        sums = selector_terms(selector, hidden, head, candidates, unary, labels, weights, anchors, keep,
+                              missing="insert", chunk_size=4)
+        sums.loss.backward()
+    assert selector.successor_codebook.grad is not None and hidden.grad is not None
+    # The codebooks' dense gradients [vocab, rank] are the largest tensors formed.
+    assert largest.numel == vocab * 8 < slots * vocab, largest.op
+    # The check can fail: scoring the pairs over the whole vocabulary is caught.
+    naive = _LargestOutput()
+    with naive, torch.no_grad():
+        selector.pair_scores(hidden.reshape(slots, H), hidden.reshape(slots, H) @ head.T,
+                             torch.arange(vocab).expand(slots, vocab), labels.reshape(-1))
+    assert naive.numel >= slots * vocab
+
+
+def test_a_dflash2_objective_step_holds_at_most_one_loss_chunk_of_logits() -> None:
+    """The whole DFlash2 objective (backbone, chunked loss with top-k, selector), forward and
+    backward: no tensor larger than one ``[loss_chunk_size, vocab]`` chunk or a codebook."""
+    from dflash_trainer.model.objective import DFlashObjective
+
+    vocab, chunk = 2048, 4
+    target = LlamaConfig(hidden_size=H, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=64, vocab_size=vocab)
+    torch.manual_seed(7)
+    model = build_drafter(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[1], variant="dflash2",
+                                      selector_rank=8, selector_top_k=TOP_K), target, mask_token_id=3)
+    embed = torch.randn(vocab, H)
+    objective = DFlashObjective(model, embed, embed, gamma=None, loss_chunk_size=chunk, selector_missing="insert")
+    batch, outputs = _objective_inputs()
+    slots = 2 * 3 * 3
+    largest = _LargestOutput()
+    with largest:
+        sums = objective(batch, outputs, step=0)
+        sums.objective().backward()
+    assert sums.selector_loss is not None and model.candidate_selector.successor_codebook.grad is not None
+    assert largest.numel <= max(chunk * vocab, vocab * 8) < slots * vocab, largest.op

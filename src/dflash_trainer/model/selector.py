@@ -30,6 +30,11 @@ from dflash_trainer.model.modeling.dflash2 import CandidateSelector
 __all__ = ["SelectorSums", "gathered_logits", "selector_terms"]
 
 
+def _head_rows(head_weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``head_weight[ids]`` ``[..., H]``; ``index_select`` copies rows about twice as fast on CPU."""
+    return head_weight.index_select(0, ids.reshape(-1)).view(*ids.shape, head_weight.shape[1])
+
+
 class _GatheredLogits(torch.autograd.Function):
     """``out[m, j] = hidden[m] . head[ids[m, j]]`` under a frozen head, chunk by chunk."""
 
@@ -38,7 +43,7 @@ class _GatheredLogits(torch.autograd.Function):
                 chunk_size: int) -> torch.Tensor:
         out = torch.empty(ids.shape, dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
-            rows = head_weight[ids[start:start + chunk_size]]
+            rows = _head_rows(head_weight, ids[start:start + chunk_size])
             out[start:start + chunk_size] = torch.matmul(
                 rows, hidden[start:start + chunk_size].to(head_weight.dtype)[..., None])[..., 0].float()
         ctx.save_for_backward(ids)
@@ -51,7 +56,7 @@ class _GatheredLogits(torch.autograd.Function):
         head_weight, chunk = ctx.head_weight, ctx.chunk_size
         grad = torch.empty(ids.shape[0], head_weight.shape[1], dtype=ctx.hidden_dtype, device=ids.device)
         for start in range(0, ids.shape[0], chunk):
-            rows = head_weight[ids[start:start + chunk]]
+            rows = _head_rows(head_weight, ids[start:start + chunk])
             grad[start:start + chunk] = torch.matmul(
                 grad_out[start:start + chunk, None].to(head_weight.dtype), rows)[:, 0].to(grad.dtype)
         return grad, None, None, None

@@ -71,22 +71,24 @@ class DynamicDepthwiseConv(nn.Module):
         self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
         self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
 
-    def prepare(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The convolution before the sublayer, and the kernel offsets of the one after it."""
+    def prepare(self, hidden: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The convolution before the sublayer, and the kernel offsets of the one after it
+        (``rows``: see :meth:`convolve`)."""
         delta = self.kernel_projection(hidden).unflatten(-1, (2, self.kernel_size, self.groups))
-        return self.convolve(hidden, delta[..., 0, :, :], 0), delta[..., 1, :, :]
+        return self.convolve(hidden, delta[..., 0, :, :], 0, rows), delta[..., 1, :, :]
 
-    def finish(self, hidden: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    def finish(self, hidden: torch.Tensor, delta: torch.Tensor, rows: int | None = None) -> torch.Tensor:
         """The convolution after the sublayer."""
-        return self.convolve(hidden, delta, 1)
+        return self.convolve(hidden, delta, 1, rows)
 
-    def convolve(self, hidden: torch.Tensor, delta: torch.Tensor, side: int) -> torch.Tensor:
-        """``hidden`` ``[B, L, H]`` (whole blocks of ``block_size`` rows, or one shorter block)
-        convolved with ``base_kernel[side]`` plus ``delta`` ``[B, L, taps, groups]``."""
+    def convolve(self, hidden: torch.Tensor, delta: torch.Tensor, side: int, rows: int | None = None) -> torch.Tensor:
+        """``hidden`` ``[B, L, H]`` (whole blocks of ``block_size`` rows, or one shorter block;
+        with ``rows``, the first ``rows`` rows of every block) convolved with
+        ``base_kernel[side]`` plus ``delta`` ``[B, L, taps, groups]``."""
         length = hidden.shape[1]
         base = self.base_kernel[side].to(hidden.dtype)
         delta = delta.to(hidden.dtype)
-        slot = torch.arange(length, device=hidden.device) % self.block_size
+        slot = torch.arange(length, device=hidden.device) % (rows or self.block_size)
 
         def term(values: torch.Tensor, tap: int) -> torch.Tensor:
             grouped = values.unflatten(-1, (self.groups, self.group_size))
@@ -115,18 +117,26 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
                 position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: Any,
                 row_visible: torch.Tensor | None, past_key_values: Any = None,
                 query_slots: int | None = None) -> torch.Tensor:
-        """The layer's output for every block row (``query_slots`` is not supported: the
-        convolutions read each row's predecessor, so every row is computed)."""
-        if query_slots is not None:
-            raise ValueError("DFlash2 layers compute every block row; select slots after the last layer")
+        """The layer's output for every block row, or with ``query_slots=K`` for block slots
+        1..K only. Attention always runs on every row (the convolution after it reads each
+        row's predecessor); with ``query_slots`` the MLP and its convolutions run on rows
+        0..K of each block, all that slots 1..K read (the taps only look back)."""
         normed, kernel = self.attention_conv.prepare(self.input_layernorm(hidden_states))
         attn = self.self_attn(normed, context, position_embeddings, attention_mask, past_key_values)
         attn = self.attention_conv.finish(attn, kernel)
         if row_visible is not None:
             attn = attn * row_visible
         hidden_states = hidden_states + attn
-        normed, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(hidden_states))
-        return hidden_states + self.mlp_conv.finish(self.mlp(normed), kernel)
+        normed = self.post_attention_layernorm(hidden_states)
+        if query_slots is None:
+            normed, kernel = self.mlp_conv.prepare(normed)
+            return hidden_states + self.mlp_conv.finish(self.mlp(normed), kernel)
+        rows = query_slots + 1
+        size = self.self_attn.block_size
+        hidden_states, normed = (x.unflatten(1, (-1, size))[:, :, :rows].flatten(1, 2) for x in (hidden_states, normed))
+        normed, kernel = self.mlp_conv.prepare(normed, rows)
+        out = hidden_states + self.mlp_conv.finish(self.mlp(normed), kernel, rows)
+        return block_slots(out, 1, rows, query_slots)
 
 
 class CandidateSelector(nn.Module):
@@ -229,14 +239,13 @@ class DFlash2DraftModel(DFlashDraftModel):
                 use_cache: bool = False, output_slots: int | None = None) -> torch.Tensor:
         """As :meth:`DFlashDraftModel.forward`; ``noise_embedding`` holds whole blocks (or one
         block, possibly shorter), since the convolutions locate slots by row index."""
-        if output_slots is not None and not 1 <= output_slots < self.block_size:
-            raise ValueError(f"output_slots must be in 1..{self.block_size - 1}, got {output_slots}")
         rows = noise_embedding.shape[1]
         if rows > self.block_size and rows % self.block_size:
             raise ValueError(f"DFlash2 needs whole blocks of {self.block_size} rows, got {rows}")
-        hidden = super().forward(position_ids, noise_embedding, target_hidden, attention_mask,
-                                 past_key_values, use_cache)
-        return hidden if output_slots is None else block_slots(hidden, 1, self.block_size, output_slots)
+        if output_slots is not None and rows % self.block_size:
+            raise ValueError(f"output_slots needs whole blocks of {self.block_size} rows, got {rows}")
+        return super().forward(position_ids, noise_embedding, target_hidden, attention_mask,
+                               past_key_values, use_cache, output_slots)
 
     def compute_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
         """Logits under the target's LM head, times ``output_multiplier`` and soft-capped by
