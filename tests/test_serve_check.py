@@ -198,3 +198,80 @@ def test_report_marks_differing_outputs(tmp_path):
     table = serve_check.format_report(result)
     assert "outputs identical with and without the drafter: 1/2" in table
     assert "1.350" in table and "NO" in table
+
+
+# --- --suite: tau per domain per engine -------------------------------------------------------
+
+def test_suite_prompts_are_the_eval_suites_first_turns():
+    prompts, domains = serve_check.choose_prompts(serve_check.parse_args(["--suite", "--prompts", "2"]))
+    assert domains == ["mtbench"] * 2 + ["humaneval"] * 2 + ["math"] * 2 and len(prompts) == 6
+    assert prompts[2].startswith("Complete the following Python function:")
+    prompts, domains = serve_check.choose_prompts(serve_check.parse_args(["--suite", "math,mtbench", "--prompts", "1"]))
+    assert domains == ["math", "mtbench"] and prompts[1].startswith("Compose an engaging travel blog post")
+    prompts, domains = serve_check.choose_prompts(serve_check.parse_args(["--prompts", "2"]))
+    assert domains is None and len(prompts) == 2
+
+
+def _counters(drafts: float, accepted: float) -> vllm_server.SpecCounters:
+    return vllm_server.SpecCounters(drafts=drafts, draft_tokens=3 * drafts, accepted=accepted,
+                                    accepted_per_pos={0: accepted})
+
+
+def test_suite_table_puts_each_engines_tau_per_domain_beside_the_project(tmp_path):
+    import serve_llama_cpp
+    from dflash_trainer.evaluate import EvalPrompt, EvalReport, domain_summaries, request_result, summarize
+    from dflash_trainer.spec_decode import Decoded
+
+    args = serve_check.parse_args(["--suite", "mtbench,math", "--prompts", "2", "--max-tokens", "4"])
+    domains = ["mtbench", "mtbench", "math", "math"]
+    # The project's loop: mtbench steps commit 2 and 1 tokens, math 1 and 1.
+    lengths = [[2, 1], [2, 1], [1, 1, 1], [1, 1, 1]]
+    requests = [request_result(EvalPrompt(id=str(i), turns=["p"], domain=d), 0, 3,
+                               Decoded(tokens=[1, 2, 3, 4], prefill_s=0, decode_s=1.0),
+                               Decoded(tokens=[1, 2, 3, 4], prefill_s=0, decode_s=1.0, acceptance_lengths=a),
+                               temperature=0.0)
+                for i, (d, a) in enumerate(zip(domains, lengths))]
+    summary = summarize(requests, block_size=4, temperature=0.0)
+    summary["domains"] = domain_summaries(requests, block_size=4, temperature=0.0)
+    report = EvalReport(summary=summary, requests=requests)
+    # vLLM: cumulative counters after each prompt; mtbench accepted 4 of 4 steps' first drafts, math none.
+    spec = serve_check.ServedRun(label="drafter", completions=[_completion("a", [1])] * 4,
+                                 snapshots=[_counters(0, 0), _counters(2, 2), _counters(4, 4), _counters(7, 4),
+                                            _counters(10, 4)])
+    spec.counters = spec.snapshots[-1].minus(spec.snapshots[0])
+    plain = serve_check.ServedRun(label="plain", completions=[_completion("a", [1])] * 3 + [_completion("b", [2])])
+    result = serve_check.build_result(args, tmp_path, tmp_path / "drafter", "given", ["p"] * 4, (spec, plain),
+                                      report, {}, num_draft=3)
+    # llama.cpp: mtbench pairs commit 12 tokens in 8 steps (pooled 1.5), math in 12 steps (1.0).
+    pairs = []
+    for i, steps in enumerate([8, 8, 12, 12]):
+        drafter = vars(completion_of(13, accepted=12 - steps, ms=100.0))
+        pairs.append({"index": i, "prompt": "p", "identical": True, "first_difference": None, "top2_margin": None,
+                      "near_tie": False, "steps": steps, "tau": 12 / steps,
+                      "plain": vars(completion_of(13, ms=120.0)), "drafter": drafter})
+    options = serve_llama_cpp.LlamaCppOptions(build_dir=tmp_path, threads=2)
+    result["llama_cpp"] = serve_llama_cpp._summarize({"pairs": pairs, "load_before": 0.0, "load_after": 0.0},
+                                                     model=tmp_path / "t.gguf", draft=tmp_path / "d.gguf", n_max=3,
+                                                     options=options)
+    result["domains"] = serve_check.domain_rows(result, report, (spec, plain), domains)
+
+    mtbench, math = result["domains"]["mtbench"], result["domains"]["math"]
+    assert mtbench["project"]["tau"] == pytest.approx(1.5) and mtbench["project"]["pooled_tau"] == pytest.approx(1.5)
+    assert math["project"]["tau"] == pytest.approx(1.0)
+    assert mtbench["llama_cpp"]["pooled_tau"] == pytest.approx(1.5) and math["llama_cpp"]["pooled_tau"] == 1.0
+    assert mtbench["llama_cpp"]["speedup"] == pytest.approx(1.2)
+    assert mtbench["vllm"]["mean_acceptance_length"] == pytest.approx(2.0) and mtbench["vllm"]["drafts"] == 4
+    assert math["vllm"]["mean_acceptance_length"] == pytest.approx(1.0) and math["vllm"]["identical"] == 1
+    table = serve_check.format_report(result)
+    assert "4 first turns of mtbench, math, max_tokens 4" in table
+    lines = table[table.index("tau per domain"):].splitlines()
+    assert lines[1].split()[:4] == ["domain", "prompts", "project", "tau"]
+    assert lines[2].split() == ["mtbench", "2", "1.500", "1.500", "1.500", "2/2", "2.000", "2/2", "1.20x"]
+    assert lines[3].split() == ["math", "2", "1.000", "1.000", "1.000", "2/2", "1.000", "1/2", "1.20x"]
+
+
+def completion_of(tokens: int, *, accepted: int = 0, ms: float = 100.0):
+    import llama_cpp_server
+
+    return llama_cpp_server.LlamaCompletion(token_ids=[1] * tokens, text="", decode_ms=ms, decode_tokens=tokens,
+                                            draft_n=3 * accepted, draft_accepted=accepted, wall_s=ms / 1000)

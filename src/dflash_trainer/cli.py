@@ -24,7 +24,6 @@ import textwrap
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from dflash_trainer.config import (COUNT_MAX, DURATION_MAX_S, Config, ConfigError, Range, check_text,
                                    describe_options, load_config, option_ranges)
@@ -76,7 +75,11 @@ COMMANDS: dict[str, Command] = {
         help="Speculative decoding with a drafter: acceptance length, speedup, lossless check.",
         flags={"--target": "model.target", "--prompts": "eval.prompts", "--run-dir": "run_dir"},
         extra=[("--drafter", {"required": True, "help": "exported drafter folder"}),
-               ("--out", {"default": None, "help": "output folder (default RUN_DIR/eval)"})],
+               ("--suite", {"action": "store_true",
+                            "help": "evaluate every domain of eval.suite (default mtbench, humaneval, math), "
+                                    "eval.suite_prompts first turns each, and report tau per domain"}),
+               ("--out", {"default": None, "help": "output folder (default RUN_DIR/eval, with --suite "
+                                                   "RUN_DIR/eval/suite)"})],
     ),
     "export": Command(
         handler="dflash_trainer.model.export:main",
@@ -236,7 +239,9 @@ def output_folder(command: str, cfg: Config, args: argparse.Namespace) -> str:
 
         return str(cache_dir(cfg))
     if command == "eval":
-        return args.out or str(Path(cfg.run_dir) / "eval")
+        from dflash_trainer.evaluate import default_out_dir
+
+        return args.out or str(default_out_dir(cfg, suite=args.suite))
     if command in ("export", "regenerate"):
         return str(args.out)
     if command == "report":

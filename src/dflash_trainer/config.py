@@ -327,7 +327,11 @@ class EvalConfig:
     """Speculative-decoding evaluation."""
 
     prompts: str = "mtbench"
-    """``mtbench``, ``sharegpt-heldout`` or a JSONL file of prompts."""
+    """A prompt set (``mtbench``, ``humaneval``, ``math``, ``sharegpt-heldout``) or a JSONL file of prompts."""
+    suite: list[str] = field(default_factory=lambda: ["mtbench", "humaneval", "math"])
+    """The domains of ``eval --suite``: prompt sets or JSONL files, each reported on its own."""
+    suite_prompts: int = ranged(10, ge=1, le=COUNT_MAX)
+    """First turns per domain in ``eval --suite``, spread evenly over each set."""
     num_prompts: int | None = ranged(None, ge=1, le=COUNT_MAX, none="for every prompt")
     max_new_tokens: int = ranged(256, ge=1, le=TOKENS_MAX)
     temperature: float = ranged(0.0, ge=0, le=100)

@@ -5,9 +5,10 @@ Reads ``metrics.jsonl`` (written by the JSONL tracker), ``eval/*.json`` and
 acceptance lengths 1..B, per-prompt results with their acceptance traces) and ``config.yaml``;
 writes ``report/*.png`` and ``report/index.html``.
 
-The page opens with the answer to "did it work?": tau before and after training, the
-lossless check, the decode speedup (marked when the evaluation found it unreliable), and
-the loss (with the length bucket of every step underneath) and tau curves side by side. Then
+The page opens with the answer to "did it work?": tau before and after training (with what it
+was measured on, and tau per domain for a suite evaluation), the lossless check, the decode
+speedup (marked when the evaluation found it unreliable), and the loss (with the length bucket
+of every step underneath) and tau curves side by side. Then
 a few evaluated answers with the accepted draft tokens highlighted, a per-prompt table, and
 the remaining plots in a grid, each captioned with what a healthy curve looks like. A metric
 the run did not log gives a "no data" plot, not an error. Figures are drawn without pyplot,
@@ -177,6 +178,30 @@ class EvalResult:
                               self.data.get(f"{prefix}speedup_unreliable_reasons"))
 
     @property
+    def measured_on(self) -> str | None:
+        """What the tau was measured on, e.g. ``8 mtbench prompts x 64 tokens`` or ``suite:
+        mtbench, humaneval, math``: a tau means little without its domain. None when the file
+        does not say."""
+        if self.domains:
+            return "suite: " + ", ".join(self.domains)
+        # eval writes prompts_source and a prompt count in prompts; the demo the source in prompts.
+        source = self.data.get("prompts_source", self.data.get("prompts"))
+        count = self.data.get("num_prompts", self.data.get("prompts"))
+        if not isinstance(source, str):
+            return None
+        label = f"{count} {source} prompts" if isinstance(count, int) else f"{source} prompts"
+        tokens = self.data.get("max_new_tokens")
+        return label + (f" x {tokens} tokens" if isinstance(tokens, int) else "")
+
+    @property
+    def domains(self) -> dict[str, dict[str, Any]]:
+        """The per-domain summaries of a suite evaluation (``domains``); empty for other files."""
+        domains = self.data.get("domains")
+        if not isinstance(domains, dict):
+            return {}
+        return {str(k): v for k, v in domains.items() if isinstance(v, dict)}
+
+    @property
     def acceptance_hist(self) -> list[float] | None:
         hist = self.data.get("acceptance_hist")
         if isinstance(hist, list) and hist and all(isinstance(c, (int, float)) for c in hist):
@@ -315,6 +340,11 @@ def _plot_tau(path: Path, log: MetricsLog, evals: list[EvalResult]) -> None:
 
 def _plot_acceptance(path: Path, log: MetricsLog, evals: list[EvalResult]) -> None:
     hists = {e.name: e.acceptance_hist for e in evals if e.acceptance_hist}
+    for e in evals:  # a suite's domains side by side
+        for domain, d in e.domains.items():
+            hist = d.get("acceptance_hist")
+            if isinstance(hist, list) and hist and all(isinstance(c, (int, float)) for c in hist):
+                hists[f"{e.name}/{domain}"] = [float(c) for c in hist]
     if not hists:
         for record in reversed(log.records):
             hist = record.get("eval/acceptance_hist")
@@ -545,7 +575,7 @@ def verdict(log: MetricsLog, evals: list[EvalResult]) -> Verdict:
         untrained = taus[0]
     final = next((e for e in evals if e.tau is not None), None)
     if final is not None:
-        trained, source = final.tau, f"eval/{final.name}"
+        trained, source = final.tau, f"eval/{final.name}" + (f", {final.measured_on}" if final.measured_on else "")
     elif steps and steps[-1] > 0:
         trained, source = taus[-1], f"in-training eval, step {steps[-1]}"
     else:
@@ -605,8 +635,26 @@ def _first_screen(log: MetricsLog, evals: list[EvalResult]) -> str:
         cards.append(_card("decode speedup", value, f"{note} (eval/{speedup.name})",
                            "bad" if reliable is False else ""))
     figures = "".join(_figure_html(p) for p in PLOTS if p.file in HEADLINE)
-    return (f"<h2>Did it work?</h2><div class='cards'>{''.join(cards)}</div>"
+    domains = "".join(f"<h3>Tau per domain (eval/{html.escape(e.name)})</h3>{_domains_table(e)}"
+                      for e in evals if e.domains)
+    return (f"<h2>Did it work?</h2><div class='cards'>{''.join(cards)}</div>{domains}"
             f"<div class='pair'>{figures}</div>")
+
+
+def _domains_table(e: EvalResult) -> str:
+    """A suite evaluation's tau per domain, with its prompts, tokens, speedup and lossless count."""
+    def row(name: str, d: dict[str, Any]) -> str:
+        requests, failures = d.get("requests"), d.get("lossless_failures")
+        lossless = (f"{requests - failures}/{requests}" if isinstance(requests, int) and isinstance(failures, int)
+                    and d.get("lossless") is not None else "-")
+        speedup = format_speedup(d.get("speedup"), d.get("speedup_reliable"))
+        cells = [name, _fmt(d.get("prompts"), "{:d}"), _fmt(d.get("tokens"), "{:d}"), _fmt(d.get("tau"), "{:.3f}"),
+                 speedup, lossless]
+        return "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
+
+    rows = "".join(row(name, d) for name, d in e.domains.items()) + row("all", e.data)
+    return ("<table><tr><th>domain</th><th>prompts</th><th>tokens</th><th>tau</th><th>speedup</th>"
+            f"<th>lossless</th></tr>{rows}</table>")
 
 
 def _figure_html(plot: Plot) -> str:
@@ -690,7 +738,8 @@ def _eval_section(evals: list[EvalResult], skipped: list[str]) -> str:
         hist = e.acceptance_hist
         if hist:
             rows.append(("acceptance_hist", ", ".join(f"{c:g}" for c in hist)))
-        parts.append(f"<h3>{html.escape(e.name)}</h3>{_table(rows)}")
+        domains = f"<p>Per domain:</p>{_domains_table(e)}" if e.domains else ""
+        parts.append(f"<h3>{html.escape(e.name)}</h3>{_table(rows)}{domains}")
     if skipped:
         parts.append("<p>Skipped files:</p><ul>"
                      + "".join(f"<li>{html.escape(s)}</li>" for s in skipped) + "</ul>")
