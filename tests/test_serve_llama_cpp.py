@@ -107,10 +107,38 @@ def test_serve_check_reports_llama_cpp_side_by_side(tmp_path):
     result["llama_cpp"] = serve_llama_cpp._summarize(rows, model=tmp_path / "t.gguf", draft=tmp_path / "d.gguf",
                                                      n_max=3, options=options)
     table = serve_check.format_report(result)
-    assert "outputs identical with and without the drafter: 1/2 (1 differing at a near-tie" in table
-    assert "near-tie: engine rounding" in table
+    assert "outputs identical with and without the drafter: 1/2 (1 differing where the engine's batched" in table
+    assert "token 3: engine numerics: top-2 margin 0.0020" in table
     assert "speedup 1.20x" in table and "pays from tau 1.25" in table
     costs = {row["engine"]: row for row in serve_check.cost_rows(result)}
     assert costs["llama.cpp"]["break_even_tau"] == pytest.approx(1.25)
     assert costs["project loop (transformers)"]["break_even_tau"] is None  # no project eval here
     assert "where the time goes" in table
+
+
+def test_a_difference_is_numerics_only_where_the_verifier_ranked_its_token_first():
+    classify = serve_llama_cpp.classify_difference
+    # Measured with the shipped Q4_1 SmolLM2 (both servers' n_probs at the first difference):
+    # the verify batch ranks the emitted token first, single-token decoding the other one.
+    plain = [(9097, -1.9068), (10887, -1.9273), (1046, -2.0806)]
+    spec = [(10887, -1.9530), (1046, -1.9547), (9097, -1.9801)]
+    verdict = classify(plain_top=plain, spec_top=spec, spec_token=10887, target_type="q4_1")
+    assert verdict["near_tie"] and "engine numerics" in verdict["verdict"]
+    assert verdict["top2_margin"] == pytest.approx(0.0205) and verdict["spec_top2_margin"] == pytest.approx(0.0017)
+    # A token the verifier's own logits do not rank first was accepted: a bug, whatever the margin.
+    wrong = classify(plain_top=plain, spec_top=spec, spec_token=1046, target_type="f32")
+    assert not wrong["near_tie"] and "accepted although" in wrong["verdict"]
+    # Plain decoding's token is not even a candidate of the verify.
+    far = classify(plain_top=[(5, -0.1), (6, -3.0)], spec_top=[(7, -0.5), (8, -0.9)], spec_token=7,
+                   target_type="q4_1")
+    assert not far["near_tie"] and "not among" in far["verdict"]
+
+
+def test_without_the_verifiers_candidates_the_margin_bound_follows_the_target_type():
+    classify = serve_llama_cpp.classify_difference
+    plain = [(527, -1.4144), (617, -1.4909)]  # margin 0.076: a Q4_1 target's batch rounding, not f32's
+    assert classify(plain_top=plain, spec_top=[], spec_token=617, target_type="q4_1")["near_tie"]
+    f32 = classify(plain_top=plain, spec_top=[], spec_token=617, target_type="f32")
+    assert not f32["near_tie"] and ">= 0.01" in f32["verdict"]
+    assert classify(plain_top=[(1, -0.5), (2, -0.505)], spec_top=[], spec_token=2, target_type="f32")["near_tie"]
+    assert not classify(plain_top=[(1, -0.1), (2, -2.0)], spec_top=[], spec_token=2, target_type="q4_1")["near_tie"]

@@ -17,6 +17,11 @@ both servers. Optional: ``--regen-check`` (the ``openai`` regeneration backend a
 plain server: a run killed mid-way, resumed, counts checked) and ``--regen-bench N``
 (regeneration through vLLM vs in-process transformers, same conversations).
 
+``--suite [DOMAINS]`` sends the first turns of ``--prompts`` prompts of each domain (default
+mtbench, humaneval, math: the prompt sets of ``dflash-trainer eval --suite``) instead of MT-Bench
+alone, and adds a table of tau per domain: the project's loop next to each engine's own
+acceptance on the same prompts.
+
 Exit status: 0 ok; 1 the outputs with and without the drafter differ (for llama.cpp: other
 than at a near-tie of the target's top-2 tokens, which is the engine's rounding); 2 the drafter folder, its
 weights or the target are missing, or the drafter was trained for another target (vocabulary,
@@ -45,7 +50,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama_cpp_build import BuildError, default_folder  # noqa: E402
-from serve_llama_cpp import LlamaCppOptions, cost_model, run_llama_cpp  # noqa: E402
+from serve_llama_cpp import LlamaCppOptions, cost_model, pair_totals, run_llama_cpp  # noqa: E402
 from vllm_env import VLLM_PIN, InstallError, ensure_venv  # noqa: E402
 from vllm_server import (Completion, ServerError, SpecCounters, VllmServer, chat,  # noqa: E402
                          fetch_counters, free_port, server_command)
@@ -167,6 +172,9 @@ class ServedRun:
     label: str
     completions: list[Completion] = field(default_factory=list)
     counters: SpecCounters | None = None
+    snapshots: list[SpecCounters] = field(default_factory=list)
+    """The server's cumulative counters before the first prompt and after each one (with a
+    drafter): the counters of any run of consecutive prompts, such as one domain's."""
     startup_s: float | None = None
 
     @property
@@ -213,22 +221,26 @@ def answer_prompts(server: VllmServer, prompts: Sequence[str], *, max_tokens: in
     with httpx.Client(timeout=httpx.Timeout(900.0, connect=10.0)) as client:
         # The first request pays one-time costs (graph capture, allocation); keep it out of the timing.
         chat(client, server.url, [{"role": "user", "content": prompts[0]}], max_tokens=8)
-        before = fetch_counters(client, server.url) if speculative else None
+        if speculative:
+            run.snapshots.append(fetch_counters(client, server.url))
         for i, prompt in enumerate(prompts):
             completion = chat(client, server.url, [{"role": "user", "content": prompt}], max_tokens=max_tokens)
             run.completions.append(completion)
+            if speculative:
+                run.snapshots.append(fetch_counters(client, server.url))
             log(f"serve-check: {label} [{i + 1}/{len(prompts)}] {completion.completion_tokens} tokens "
                 f"in {completion.wall_s:.1f} s")
-        if before is not None:
-            run.counters = fetch_counters(client, server.url).minus(before)
+        if run.snapshots:
+            run.counters = run.snapshots[-1].minus(run.snapshots[0])
     return run
 
 
 # --- the project's own loop -------------------------------------------------------------------
 
 def project_eval(drafter: Path, target_dir: Path, prompts: Sequence[str], *, max_tokens: int,
-                 dtype: str) -> Any:
-    """``dflash-trainer eval``'s measurement (batch 1, greedy) on the same prompts, in process."""
+                 dtype: str, domains: Sequence[str | None] | None = None) -> Any:
+    """``dflash-trainer eval``'s measurement (batch 1, greedy) on the same prompts, in process;
+    with ``domains`` (one per prompt) its summary holds tau per domain."""
     import torch
 
     from dflash_trainer.evaluate import EvalPrompt, evaluate_prompts
@@ -239,7 +251,8 @@ def project_eval(drafter: Path, target_dir: Path, prompts: Sequence[str], *, max
     torch_dtype = getattr(torch, dtype)
     target, tokenizer = load_target(str(target_dir), device="cpu", dtype=torch_dtype)
     model = load_drafter(drafter, dtype=torch_dtype).eval()
-    items = [EvalPrompt(id=f"prompt-{i}", turns=[p]) for i, p in enumerate(prompts)]
+    domains = domains or [None] * len(prompts)
+    items = [EvalPrompt(id=f"prompt-{i}", turns=[p], domain=d) for i, (p, d) in enumerate(zip(prompts, domains))]
     with torch.no_grad():
         # --threads, not the free cores: the vLLM server runs beside it.
         return evaluate_prompts(model, target, tokenizer, items, max_new_tokens=max_tokens,
@@ -383,16 +396,79 @@ def _f(value: float | None, spec: str = ".3f") -> str:
     return format(value, spec) if value is not None else "n/a"
 
 
+def _source(result: dict[str, Any]) -> str:
+    domains = result.get("domains")
+    return f"first turns of {', '.join(domains)}" if domains else "MT-Bench first turns"
+
+
 def format_report(result: dict[str, Any]) -> str:
-    """The tables of a serve-check run, one per engine, then where the time goes (plain text,
-    also pasted into docs/serving.md)."""
+    """The tables of a serve-check run, one per engine, then tau per domain (``--suite``) and
+    where the time goes (plain text, also pasted into docs/serving.md)."""
     parts = []
     if "llama_cpp" in result:
         parts.append(format_llama_cpp(result))
     if "prompts" in result:
         parts.append(format_vllm(result))
+    if result.get("domains"):
+        parts.append(format_domains(result))
     parts.append(format_costs(cost_rows(result)))
     return "\n\n".join(parts)
+
+
+def domain_rows(result: dict[str, Any], report: Any, served: tuple[ServedRun, ServedRun] | None,
+                prompt_domains: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Per suite domain: the project's tau (mean over prompts, and pooled over steps as the
+    engines count) and each engine's own acceptance on the same prompts, with llama.cpp's
+    speedup and the outputs identical with and without the drafter."""
+    num_draft = result["num_speculative_tokens"]
+    rows: dict[str, dict[str, Any]] = {}
+    for domain in dict.fromkeys(prompt_domains):
+        index = [i for i, d in enumerate(prompt_domains) if d == domain]
+        row: dict[str, Any] = {"prompts": len(index)}
+        if report is not None:
+            requests = [report.requests[i] for i in index]
+            pooled, _ = acceptance_from_lengths([a for r in requests for a in r.acceptance_lengths], num_draft)
+            row["project"] = {"tau": report.summary["domains"][domain]["tau"], "pooled_tau": pooled,
+                              "steps": sum(r.steps for r in requests)}
+        if "llama_cpp" in result:
+            pairs = [result["llama_cpp"]["pairs"][i] for i in index]
+            totals = pair_totals(pairs)
+            row["llama_cpp"] = {"pooled_tau": totals["acceptance"]["pooled_tau"],
+                                "verify_steps": totals["acceptance"]["verify_steps"], "speedup": totals["speedup"],
+                                "identical": sum(p["identical"] for p in pairs)}
+        if served is not None:
+            spec, _ = served
+            # The prompts of a domain are consecutive: its counters are the snapshots' difference.
+            counters = spec.snapshots[index[-1] + 1].minus(spec.snapshots[index[0]]) if spec.snapshots else None
+            row["vllm"] = {"mean_acceptance_length": counters.mean_acceptance_length if counters else None,
+                           "drafts": counters.drafts if counters else None,
+                           "identical": sum(result["prompts"][i]["identical"] for i in index)}
+        rows[domain] = row
+    return rows
+
+
+def format_domains(result: dict[str, Any]) -> str:
+    """Tau per domain: the project's loop next to each engine that ran, on the same prompts."""
+    engines = [(key, label) for key, label in (("llama_cpp", "llama.cpp"), ("vllm", "vLLM")) if key in
+               next(iter(result["domains"].values()))]
+    header = f"{'domain':<12} {'prompts':>7} {'project tau':>11} {'pooled':>7}"
+    for _, label in engines:
+        header += f" {label + ' tau':>14} {'identical':>9}"
+    if any(key == "llama_cpp" for key, _ in engines):
+        header += f" {'llama.cpp speedup':>17}"
+    lines = [f"tau per domain (tokens committed per verify step; 'pooled' = all steps of the domain, as the "
+             f"engines count; {result['max_tokens']} tokens per prompt):", header]
+    for domain, row in result["domains"].items():
+        project = row.get("project", {})
+        line = f"{domain:<12} {row['prompts']:>7} {_f(project.get('tau')):>11} {_f(project.get('pooled_tau')):>7}"
+        for key, _ in engines:
+            engine = row[key]
+            tau = engine["pooled_tau"] if key == "llama_cpp" else engine["mean_acceptance_length"]
+            line += f" {_f(tau):>14} {str(engine['identical']) + '/' + str(row['prompts']):>9}"
+        if "llama_cpp" in row:
+            line += f" {_f(row['llama_cpp']['speedup'], '.2f') + 'x':>17}"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def cost_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -439,7 +515,7 @@ def format_llama_cpp(result: dict[str, Any]) -> str:
     lc, project = result["llama_cpp"], result["project_acceptance"]
     lines = [f"serve-check: {lc['engine']} | target {lc['target_gguf']} | drafter {result['drafter_name']} "
              f"({result['drafter_source']}) as {lc['drafter_type']}, --spec-draft-n-max {lc['draft_n_max']} | "
-             f"{result['num_prompts']} MT-Bench first turns, max_tokens {result['max_tokens']}, greedy, batch 1",
+             f"{result['num_prompts']} {_source(result)}, max_tokens {result['max_tokens']}, greedy, batch 1",
              "",
              f"{'prompt':<8} {'identical':<10} {'tokens':>6} {'tau':>6} {'plain tok/s':>12} {'drafter tok/s':>14}"
              f"  first difference"]
@@ -447,8 +523,9 @@ def format_llama_cpp(result: dict[str, Any]) -> str:
         if row["identical"]:
             diff = "-"
         else:
-            kind = "near-tie: engine rounding" if row["near_tie"] else "NOT a near-tie: wrong acceptance"
-            diff = f"token {row['first_difference']}, top-2 margin {_f(row['top2_margin'], '.4f')} ({kind})"
+            kind = "engine numerics" if row["near_tie"] else "WRONG ACCEPTANCE"
+            why = row.get("verdict") or f"top-2 margin {_f(row['top2_margin'], '.4f')}"
+            diff = f"token {row['first_difference']}: {kind}: {why}"
         plain_tps = row["plain"]["decode_tokens"] / row["plain"]["decode_ms"] * 1000 if row["plain"]["decode_ms"] \
             else None
         spec_tps = row["drafter"]["decode_tokens"] / row["drafter"]["decode_ms"] * 1000 \
@@ -478,14 +555,15 @@ def format_llama_cpp(result: dict[str, Any]) -> str:
                      "are needed")
     near = lc["near_ties"]
     lines.append(f"outputs identical with and without the drafter: {lc['identical']}/{len(lc['pairs'])}"
-                 + (f" ({near} differing at a near-tie of the target's top-2 tokens)" if near else ""))
+                 + (f" ({near} differing where the engine's batched verify ranks two near-equal candidates "
+                    "differently from single-token decoding)" if near else ""))
     return "\n".join(lines)
 
 
 def format_vllm(result: dict[str, Any]) -> str:
     """The vLLM table."""
     lines = [f"serve-check: {result['engine']} | target {result['target_name']} | drafter {result['drafter_name']} "
-             f"({result['drafter_source']}) | {result['num_prompts']} MT-Bench first turns, "
+             f"({result['drafter_source']}) | {result['num_prompts']} {_source(result)}, "
              f"max_tokens {result['max_tokens']}, temperature 0, batch 1, dtype {result['dtype']}",
              "",
              f"{'prompt':<8} {'identical':<10} {'tokens':>6}  {'= project target':<16}  first words"]
@@ -534,13 +612,19 @@ def format_vllm(result: dict[str, Any]) -> str:
 # --- command ----------------------------------------------------------------------------------
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    from dflash_trainer.config import EvalConfig
+
     parser = argparse.ArgumentParser(prog="tools/serve_check.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", help="exported drafter folder (default: --run-dir, else runs/demo/drafter, "
                                           "else a freshly initialised, untrained drafter)")
     parser.add_argument("--run-dir", help="use this run's drafter/ export, or export its newest checkpoint")
     parser.add_argument("--target", default="smollm2", help="target: smollm2 (embedded) or an HF model folder")
-    parser.add_argument("--prompts", type=int, default=5, help="MT-Bench first turns to send (default 5)")
+    parser.add_argument("--prompts", type=int, default=5,
+                        help="MT-Bench first turns to send (default 5); with --suite, prompts per domain")
+    parser.add_argument("--suite", nargs="?", const=",".join(EvalConfig().suite), default=None, metavar="DOMAINS",
+                        help="prompts from several domains, tau per domain: comma-separated prompt sets or "
+                             f"JSONL files (default {','.join(EvalConfig().suite)}, as `dflash-trainer eval --suite`)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per answer (default 64)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                         help="dtype of vLLM and of the project eval (default float32)")
@@ -594,7 +678,7 @@ def run(args: argparse.Namespace) -> int:
     """The whole check; returns the exit status."""
     import torch
 
-    from dflash_trainer.assets import mtbench_questions, resolve_target
+    from dflash_trainer.assets import resolve_target
 
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -606,7 +690,7 @@ def run(args: argparse.Namespace) -> int:
     check_agreement(drafter, target_dir)
     num_draft = num_draft_tokens(drafter)
     speculative = {"method": "dflash", "model": str(drafter.resolve()), "num_speculative_tokens": num_draft}
-    prompts = [q["turns"][0] for q in mtbench_questions()[:args.prompts]]
+    prompts, prompt_domains = choose_prompts(args)
     torch.set_num_threads(args.threads)
     llama = None
     if args.engine in ("llama.cpp", "all"):
@@ -617,10 +701,12 @@ def run(args: argparse.Namespace) -> int:
         served = serve_vllm(args, target_dir, speculative, prompts, out_dir, regen)
 
     report = None if args.skip_eval else project_eval(drafter, target_dir, prompts, max_tokens=args.max_tokens,
-                                                      dtype=args.dtype)
+                                                      dtype=args.dtype, domains=prompt_domains)
     result = build_result(args, target_dir, drafter, source, prompts, served, report, regen, num_draft=num_draft)
     if llama is not None:
         result["llama_cpp"] = llama
+    if prompt_domains is not None:
+        result["domains"] = domain_rows(result, report, served, prompt_domains)
     result["costs"] = cost_rows(result)
     (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     print(format_report(result), flush=True)
@@ -628,6 +714,20 @@ def run(args: argparse.Namespace) -> int:
     vllm_ok = all(row["identical"] for row in result.get("prompts", []))
     llama_ok = llama is None or all(p["identical"] or p["near_tie"] for p in llama["pairs"])
     return 0 if vllm_ok and llama_ok else EXIT_MISMATCH
+
+
+def choose_prompts(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
+    """The prompts to send, and with ``--suite`` the domain of each: the first turns of
+    ``--prompts`` prompts per domain, as ``dflash-trainer eval --suite`` picks them."""
+    from dflash_trainer.config import load_config
+    from dflash_trainer.prompt_sets import mtbench_prompts, suite_prompts
+
+    if args.suite is None:
+        return [p.turns[0] for p in mtbench_prompts()[:args.prompts]], None
+    domains = [d.strip() for d in args.suite.split(",") if d.strip()]
+    suite = suite_prompts(load_config(None), domains, per_domain=args.prompts)
+    pairs = [(p.turns[0], name) for name, group in suite.items() for p in group]
+    return [text for text, _ in pairs], [name for _, name in pairs]
 
 
 def serve_llama(args: argparse.Namespace, target_dir: Path, drafter: Path, prompts: Sequence[str], out_dir: Path,
