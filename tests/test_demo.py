@@ -33,3 +33,34 @@ def test_the_dtype_choice_is_printed_once_and_the_logger_is_restored(capsys):
     out = capsys.readouterr().out
     assert out == "demo: model.dtype auto on CPU: bfloat16 (probe)\n"
     assert (logger.level, logger.propagate, logger.handlers) == (level, propagate, [])
+
+
+def test_the_expected_duration_uses_this_machines_last_demo_once_one_recorded(tmp_path):
+    from dflash_trainer import duration
+
+    cache = tmp_path / "demo-durations.json"
+    key = duration.settings_key(probe_key="cpu | torch | threads 1", settings={"steps": [4]})
+    first = duration.estimate(key, steps=1600, probe_s=0.2, cache_path=cache)
+    assert first.ratios == duration.DEFAULT_RATIOS
+    assert first.total_s == 2 * 0.2 * first.ratios.eval_per_probe + 1600 * 0.2 * first.ratios.step_per_probe
+    assert first.describe().startswith("demo: expected about ")
+    assert "benchmarks/results/" in first.describe()
+    measured = duration.measured_ratios(probe_s=0.2, train_s=800.0, steps=1600, eval_s=[60.0, 100.0])
+    assert measured == {"step_per_probe": 2.5, "eval_per_probe": 400.0}
+    duration.record(key, measured, cache_path=cache)
+    second = duration.estimate(key, steps=1600, probe_s=0.2, cache_path=cache)
+    assert (second.step_s, second.eval_s, second.total_s) == (0.5, 80.0, 960.0)
+    assert "the last demo on this machine" in second.describe()
+    other = duration.settings_key(probe_key="cpu | torch | threads 1", settings={"steps": [8]})
+    assert duration.estimate(other, steps=10, probe_s=0.2, cache_path=cache).ratios == duration.DEFAULT_RATIOS
+
+
+def test_an_unreadable_or_nonsense_durations_cache_falls_back_to_the_defaults(tmp_path, caplog):
+    from dflash_trainer import duration
+
+    cache = tmp_path / "demo-durations.json"
+    cache.write_text("{not json")
+    assert duration.estimate("k", steps=1, probe_s=0.1, cache_path=cache).ratios == duration.DEFAULT_RATIOS
+    assert "ignoring unreadable" in caplog.text
+    cache.write_text('{"k": {"step_per_probe": -1, "eval_per_probe": 3}}')
+    assert duration.recorded_ratios("k", cache_path=cache) is None

@@ -83,9 +83,10 @@ def test_train_end_to_end(tiny_setup, tmp_path: Path):
     assert json.loads((out / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
 
 
-def test_demo_command_end_to_end(tiny_setup, tmp_path: Path, capsys):
+def test_demo_command_end_to_end(tiny_setup, tmp_path: Path, capsys, monkeypatch):
     target, data = tiny_setup
     run = tmp_path / "demo"
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "user-cache"))  # the durations it records
     # bf16 training: the demo evaluates against a float32 copy of the target (exact lossless).
     # Two steps: bf16 matmuls over the 49,152-token vocabulary crawl on CPUs without bf16
     # instructions (AVX2: ~1 GFLOP/s), and the path under test is the float32 evaluation copy.
@@ -95,7 +96,14 @@ def test_demo_command_end_to_end(tiny_setup, tmp_path: Path, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "acceptance length tau" in out and "exported drafter" in out
-    assert "training steps in bfloat16; evaluation in float32" in out
+    assert "training steps in bfloat16; evaluation in float32, expected " in out
+    # The expected duration is printed before the first evaluation, and the run records the
+    # ratios that the next demo with these settings on this machine estimates from.
+    assert out.index("demo: expected about ") < out.index("demo: evaluating the untrained drafter")
+    durations = json.loads((tmp_path / "user-cache" / "demo-durations.json").read_text())
+    ratios = json.loads((run / "eval" / "results.json").read_text())["duration_ratios"]
+    assert list(durations.values()) == [ratios]
+    assert ratios["step_per_probe"] > 0 and ratios["eval_per_probe"] > 0
     results = json.loads((run / "eval" / "results.json").read_text())
     assert results["dtype"] == "bfloat16" and 0 < results["train_s"] < results["wall_s"]
     assert results["lossless"] and results["untrained_lossless"]

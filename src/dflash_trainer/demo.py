@@ -27,7 +27,9 @@ import torch
 
 from dflash_trainer.assets import resolve_target
 from dflash_trainer.config import Config
+from dflash_trainer import duration
 from dflash_trainer.data import prepare
+from dflash_trainer.dtypes import config_probe_seconds
 from dflash_trainer.evaluate import InTrainingEval, load_prompts
 from dflash_trainer.interrupts import Interrupted
 from dflash_trainer.model.target import load_target
@@ -97,6 +99,10 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
         trainer = Trainer(cfg)
     dtype = str(trainer.compute_dtype).removeprefix("torch.")
     try:
+        expected = _expected_duration(cfg, trainer)
+        if expected is not None:
+            print(expected[0].describe(), flush=True)
+        expected_from = time.monotonic()
         num_prompts = len(load_prompts(cfg, limit=cfg.eval.in_training_prompts, first_turn_only=True))
         print(f"demo: evaluating the untrained drafter on {num_prompts} {cfg.eval.prompts} prompts "
               f"(max_new_tokens {cfg.eval.max_new_tokens})", flush=True)
@@ -109,7 +115,9 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
         # Each call picks its threads from the cores free at its start (training splits them
         # between the target stage and the drafter loop; an evaluation is one thread of work).
         evaluator = InTrainingEval.from_config(cfg, target=eval_target, tokenizer=trainer.tokenizer)
+        eval_started = time.monotonic()
         untrained = evaluator(trainer.drafter)
+        eval_s = [time.monotonic() - eval_started]
         untrained_speedup = evaluator.last_speedup
         trainer.trackers.log(untrained, 0)
         train_started = time.monotonic()
@@ -117,8 +125,11 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
         if trainer.stop_signal is not None:  # a stop signal ends the demo, not only its training
             raise Interrupted(trainer.stop_signal)
         train_s = time.monotonic() - train_started
+        eval_started = time.monotonic()
         trained = evaluator(trainer.drafter)
+        eval_s.append(time.monotonic() - eval_started)
         trained_speedup = evaluator.last_speedup
+        actual_s = time.monotonic() - expected_from
         trainer.trackers.log(trained, trainer.drafter_step.optimizer_step)
     except BaseException:
         close_after_failure(trainer)
@@ -128,6 +139,17 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     eval_dir = run_dir / "eval"
     eval_dir.mkdir(parents=True, exist_ok=True)
     assert untrained_speedup is not None and trained_speedup is not None
+    steps = trainer.drafter_step.optimizer_step
+    timing: dict[str, Any] = {}
+    if expected is not None:
+        estimate, key = expected
+        ratios = duration.measured_ratios(probe_s=estimate.probe_s, train_s=train_s, steps=steps,
+                                          eval_s=eval_s)
+        if steps == trainer.total_steps:  # a run cut short by a time limit measures less
+            duration.record(key, ratios)
+        timing = {"probe_step_s": estimate.probe_s, "expected_s": round(estimate.total_s, 1),
+                  "actual_s": round(actual_s, 1), "duration_ratios": ratios,
+                  "expected_with": estimate.ratios.source}
     results = {
         "tau": trained["eval/tau"], "acceptance_hist": trained["eval/acceptance_hist"],
         "lossless": bool(trained["eval/lossless"]),
@@ -140,13 +162,15 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
         "dtype": dtype,
         # Wall times make a result file comparable across machines: the step rate varies ~3x.
         "wall_s": round(time.monotonic() - started, 1), "train_s": round(train_s, 1),
+        "eval_s": [round(x, 1) for x in eval_s], **timing,
         # The trained drafter's answers with their acceptance traces: the report highlights them.
         "per_prompt": [r.to_json() for r in evaluator.last_requests],
     }
     (eval_dir / "results.json").write_text(json.dumps(results, indent=1))
     report = write_report(run_dir)
+    expected_note = f", expected {timing['expected_s']:.0f} s" if timing else ""
     print(f"\ndemo finished in {time.monotonic() - started:.0f} s "
-          f"({trainer.drafter_step.optimizer_step} training steps in {dtype}; evaluation in float32)")
+          f"({steps} training steps in {dtype}; evaluation in float32{expected_note})")
     print(_results_table(untrained, trained, (untrained_speedup, trained_speedup)))
     print(f"  run folder        {run_dir}\n"
           f"  resolved config   {run_dir / 'config.yaml'}\n"
@@ -158,3 +182,21 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
           f"  full MT-Bench eval: dflash-trainer eval --config {run_dir / 'config.yaml'} "
           f"--drafter {run_dir / 'drafter'}", flush=True)
     return 0 if trained["eval/lossless"] and untrained["eval/lossless"] else 1
+
+
+def _expected_duration(cfg: Config, trainer: Trainer) -> tuple[duration.DurationEstimate, str] | None:
+    """The demo's expected duration on this CPU and its cache key (None off the CPU, where no
+    probe runs)."""
+    if trainer.device.type != "cpu":
+        return None
+    probe_s, probe_key = config_probe_seconds(cfg.model, trainer.compute_dtype)
+    settings = {"model": [cfg.model.variant, cfg.model.num_layers, cfg.model.block_size,
+                          cfg.model.drafter_init],
+                "training": [cfg.training.num_anchors, cfg.training.loss_slots,
+                             cfg.training.labels],
+                "pipeline": [cfg.pipeline.tokens_per_batch, cfg.pipeline.num_threads],
+                "data": [cfg.data.max_length],
+                "eval": [cfg.eval.in_training_prompts, cfg.eval.max_new_tokens,
+                         cfg.eval.every_steps]}
+    key = duration.settings_key(probe_key=probe_key, settings=settings)
+    return duration.estimate(key, steps=trainer.total_steps, probe_s=probe_s), key

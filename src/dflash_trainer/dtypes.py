@@ -25,8 +25,8 @@ from torch.nn import functional as F
 
 from dflash_trainer.errors import ConfigError
 
-__all__ = ["BF16_MIN_GAIN", "DTYPES", "ProbeShape", "config_dtype", "cpu_model_name", "parse_dtype",
-           "probe_cache_path", "probe_step_seconds", "resolve_dtype"]
+__all__ = ["BF16_MIN_GAIN", "DTYPES", "ProbeShape", "config_dtype", "config_probe_seconds", "cpu_model_name",
+           "parse_dtype", "probe_cache_path", "probe_step_seconds", "resolve_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,8 @@ def _weights(shape: ProbeShape, dtype: torch.dtype, requires_grad: bool,
     return w
 
 
-def probe_step_seconds(shape: ProbeShape, *, repeats: int = 2) -> dict[str, float]:
+def probe_step_seconds(shape: ProbeShape, *, repeats: int = 2,
+                       dtypes: tuple[str, ...] = tuple(DTYPES)) -> dict[str, float]:
     """Seconds of one probe step per dtype name (the best of ``repeats`` after a warm-up).
 
     The probe step mirrors a training step of the demo at an eighth of its size: the target's
@@ -140,8 +141,8 @@ def probe_step_seconds(shape: ProbeShape, *, repeats: int = 2) -> dict[str, floa
     gen = torch.Generator().manual_seed(0)
     head32 = _uniform((shape.vocab_size, shape.hidden_size), gen)
     drafter = _weights(shape, torch.float32, requires_grad=True, gen=gen)
-    setups = {name: (dtype, _weights(shape, dtype, requires_grad=False, gen=gen), head32.to(dtype))
-              for name, dtype in DTYPES.items()}
+    setups = {name: (DTYPES[name], _weights(shape, DTYPES[name], requires_grad=False, gen=gen),
+                     head32.to(DTYPES[name])) for name in dtypes}
     inputs = _uniform((1, ctx_len, shape.hidden_size), gen) * 30
     blocks = _uniform((1, 2 * ctx_len, shape.hidden_size), gen) * 30
 
@@ -165,7 +166,7 @@ def probe_step_seconds(shape: ProbeShape, *, repeats: int = 2) -> dict[str, floa
             param.grad = None
         return target_s + time.perf_counter() - start
 
-    best = {name: float("inf") for name in DTYPES}
+    best = {name: float("inf") for name in dtypes}
     for round_ in range(repeats + 1):  # round 0 warms up kernels and allocators
         for name, setup in setups.items():
             seconds = step(*setup)
@@ -185,33 +186,44 @@ def _read_cache(path: Path) -> dict[str, Any]:
     return cache if isinstance(cache, dict) else {}
 
 
-def _cpu_auto(shape: ProbeShape, cache_path: Path) -> torch.dtype:
+def _probe_entry(shape: ProbeShape, cache_path: Path) -> dict[str, Any]:
+    """The cached probe of ``shape`` on this machine, measured (and cached) when missing:
+    ``choice``, ``seconds`` per dtype name, ``probe_s``, ``measured`` (and ``cached``: whether it
+    came from the cache)."""
     key = _cache_key(shape)
     entry = _read_cache(cache_path).get(key)
-    if isinstance(entry, dict) and entry.get("choice") in DTYPES:
-        seconds = entry.get("seconds", {})
-        log.info("model.dtype auto on CPU: %s (cached probe of %s: float32 %.3f s, bfloat16 %.3f s per "
-                 "probe step; %s; delete it to measure again)", entry["choice"], entry.get("measured", "?"),
-                 seconds.get("float32", float("nan")), seconds.get("bfloat16", float("nan")), cache_path)
-        return DTYPES[entry["choice"]]
+    if isinstance(entry, dict) and entry.get("choice") in DTYPES and isinstance(entry.get("seconds"), dict):
+        return {**entry, "cached": True}
     start = time.perf_counter()
     seconds = probe_step_seconds(shape)
     probe_s = time.perf_counter() - start
     choice = "bfloat16" if seconds["bfloat16"] <= (1 - BF16_MIN_GAIN) * seconds["float32"] else "float32"
-    log.info("model.dtype auto on CPU: %s (probe step of this target's shapes on %d thread(s): "
-             "float32 %.3f s, bfloat16 %.3f s, bf16 needs a %d%% gain; the probe took %.1f s; cached in %s)",
-             choice, torch.get_num_threads(), seconds["float32"], seconds["bfloat16"], round(100 * BF16_MIN_GAIN),
-             probe_s, cache_path)
+    entry = {"choice": choice, "seconds": seconds, "probe_s": round(probe_s, 3),
+             "measured": datetime.now(UTC).isoformat(timespec="seconds")}
     cache = _read_cache(cache_path)
-    cache[key] = {"choice": choice, "seconds": seconds, "probe_s": round(probe_s, 3),
-                  "measured": datetime.now(UTC).isoformat(timespec="seconds")}
+    cache[key] = entry
     from dflash_trainer.assets import atomic_write_text
 
     try:
         atomic_write_text(cache_path, json.dumps(cache, indent=1, sort_keys=True))
     except OSError as exc:
         log.warning("could not cache the dtype probe in %s (%s); the next run probes again", cache_path, exc)
-    return DTYPES[choice]
+    return {**entry, "cached": False}
+
+
+def _cpu_auto(shape: ProbeShape, cache_path: Path) -> torch.dtype:
+    entry = _probe_entry(shape, cache_path)
+    seconds = entry["seconds"]
+    if entry["cached"]:
+        log.info("model.dtype auto on CPU: %s (cached probe of %s: float32 %.3f s, bfloat16 %.3f s per "
+                 "probe step; %s; delete it to measure again)", entry["choice"], entry.get("measured", "?"),
+                 seconds.get("float32", float("nan")), seconds.get("bfloat16", float("nan")), cache_path)
+    else:
+        log.info("model.dtype auto on CPU: %s (probe step of this target's shapes on %d thread(s): "
+                 "float32 %.3f s, bfloat16 %.3f s, bf16 needs a %d%% gain; the probe took %.1f s; cached in %s)",
+                 entry["choice"], torch.get_num_threads(), seconds["float32"], seconds["bfloat16"],
+                 round(100 * BF16_MIN_GAIN), entry["probe_s"], cache_path)
+    return DTYPES[entry["choice"]]
 
 
 def _without_probe(name: str, device: torch.device | str) -> torch.dtype | None:
@@ -244,18 +256,36 @@ def resolve_dtype(name: str, device: torch.device | str, *, hidden_size: int, vo
     return _cpu_auto(shape, cache_path or probe_cache_path())
 
 
-def config_dtype(model_cfg: Any, device: torch.device | str, *, cache_path: Path | None = None) -> torch.dtype:
-    """:func:`resolve_dtype` for a :class:`~dflash_trainer.config.ModelConfig`; the target's
-    config is read only when the CPU probe needs its sizes."""
-    fixed = _without_probe(model_cfg.dtype, device)
-    if fixed is not None:
-        return fixed
+def _target_shape(model_cfg: Any) -> ProbeShape:
+    """The probe's shape for the target that ``model_cfg`` names (its config is read)."""
     from transformers import AutoConfig
 
     from dflash_trainer.assets import resolve_target
     from dflash_trainer.model.drafter import text_config
 
     target = text_config(AutoConfig.from_pretrained(resolve_target(model_cfg.target)))
-    return resolve_dtype("auto", device, hidden_size=target.hidden_size, vocab_size=target.vocab_size,
-                         intermediate_size=getattr(target, "intermediate_size", None),
-                         num_target_layers=target.num_hidden_layers, cache_path=cache_path)
+    return ProbeShape(hidden_size=target.hidden_size, vocab_size=target.vocab_size,
+                      intermediate_size=getattr(target, "intermediate_size", None) or 4 * target.hidden_size,
+                      num_target_layers=target.num_hidden_layers)
+
+
+def config_dtype(model_cfg: Any, device: torch.device | str, *, cache_path: Path | None = None) -> torch.dtype:
+    """:func:`resolve_dtype` for a :class:`~dflash_trainer.config.ModelConfig`; the target's
+    config is read only when the CPU probe needs its sizes."""
+    fixed = _without_probe(model_cfg.dtype, device)
+    if fixed is not None:
+        return fixed
+    return _cpu_auto(_target_shape(model_cfg), cache_path or probe_cache_path())
+
+
+def config_probe_seconds(model_cfg: Any, dtype: torch.dtype) -> tuple[float, str]:
+    """Seconds of one CPU probe step of ``model_cfg``'s target in ``dtype``, measured now (about
+    a second), and the probe's cache key (CPU, torch, threads, target shape). Measured rather
+    than read from the cache: the demo scales it to its expected duration
+    (:mod:`dflash_trainer.duration`), and a probe taken under the load of the moment carries
+    that load into the estimate."""
+    names = {v: k for k, v in DTYPES.items()}
+    if dtype not in names:
+        raise ValueError(f"no CPU probe for {dtype}")
+    shape = _target_shape(model_cfg)
+    return probe_step_seconds(shape, dtypes=(names[dtype],))[names[dtype]], _cache_key(shape)
