@@ -123,7 +123,7 @@ def test_a_difference_is_numerics_only_where_the_verifier_ranked_its_token_first
     plain = [(9097, -1.9068), (10887, -1.9273), (1046, -2.0806)]
     spec = [(10887, -1.9530), (1046, -1.9547), (9097, -1.9801)]
     verdict = classify(plain_top=plain, spec_top=spec, spec_token=10887, target_type="q4_1")
-    assert verdict["near_tie"] and "engine numerics" in verdict["verdict"]
+    assert verdict["near_tie"] and "the verify batch ranks token 10887 first" in verdict["verdict"]
     assert verdict["top2_margin"] == pytest.approx(0.0205) and verdict["spec_top2_margin"] == pytest.approx(0.0017)
     # A token the verifier's own logits do not rank first was accepted: a bug, whatever the margin.
     wrong = classify(plain_top=plain, spec_top=spec, spec_token=1046, target_type="f32")

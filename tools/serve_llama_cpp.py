@@ -185,7 +185,7 @@ def classify_difference(*, plain_top: Sequence[tuple[int, float]], spec_top: Seq
         numerics = ranked_first and plain_token in {token for token, _ in spec_top}
         if numerics:
             why = (f"the verify batch ranks token {spec_token} first by {spec_margin:.4f} nats, single-token "
-                   f"decoding ranks token {plain_token} first by {margin:.4f}: engine numerics")
+                   f"decoding ranks token {plain_token} first by {margin:.4f}")
         elif not ranked_first:
             why = f"token {spec_token} was accepted although the verify's own logits rank {spec_top[0][0]} first"
         else:
