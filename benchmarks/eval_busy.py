@@ -34,7 +34,8 @@ import torch
 
 from dflash_trainer.assets import resolve_target
 from dflash_trainer.config import ModelConfig
-from dflash_trainer.evaluate import EvalPrompt, evaluate_prompts, mtbench_prompts
+from dflash_trainer.evaluate import evaluate_prompts
+from dflash_trainer.prompt_sets import EvalPrompt, mtbench_prompts
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.model.target import load_target, resolve_mask_token_id
 from dflash_trainer.speedup import PairedTimer, load_average, others_running, usable_cpus

@@ -94,7 +94,7 @@ def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
 
 def _eval_prompt_ids(cfg: Any, tokenizer: Any, num_prompts: int) -> list[tuple[str, str, list[int]]]:
     from dflash_trainer.data.tokenize import render_prompt
-    from dflash_trainer.evaluate import load_prompts
+    from dflash_trainer.prompt_sets import load_prompts
 
     prompts = load_prompts(cfg, limit=num_prompts, first_turn_only=True)
     return [(p.id, p.turns[0], render_prompt(tokenizer, [{"role": "user", "content": p.turns[0]}],
@@ -138,7 +138,8 @@ def evaluate_drafter(drafter: Any, cfg: Any, spec: dict[str, Any]) -> dict[str, 
     import torch
 
     from dflash_trainer import assets
-    from dflash_trainer.evaluate import EvalPrompt, request_result, summarize
+    from dflash_trainer.evaluate import request_result, summarize
+    from dflash_trainer.prompt_sets import EvalPrompt
     from dflash_trainer.model.target import load_target
     from dflash_trainer.spec_decode import Decoded, speculative_generate
 

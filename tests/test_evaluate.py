@@ -18,8 +18,9 @@ from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaForCausalLM
 from dflash_trainer.config import ModelConfig, load_config
 from dflash_trainer.data.tokenize import render_prompt
 from dflash_trainer.errors import CheckpointError
-from dflash_trainer.evaluate import (EvalError, EvalPrompt, EvalReport, InTrainingEval, print_summary,
-                                     read_prompt_file, request_result, summarize, write_results)
+from dflash_trainer.evaluate import (EvalReport, InTrainingEval, print_summary, request_result, summarize,
+                                     write_results)
+from dflash_trainer.prompt_sets import EvalError, EvalPrompt, mtbench_prompts, read_prompt_file
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.model.export import export_drafter
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
@@ -309,7 +310,7 @@ def test_eval_command_on_smollm2_mtbench(tmp_path):
     first, second = results["per_prompt"][:2]
     assert (first["turn"], second["turn"]) == (0, 1) and first["id"] == second["id"]
     assert first["lossless"] and first["tokens"] == 5 and first["first_mismatch"] is None
-    question = evaluate.mtbench_prompts()[0]
+    question = mtbench_prompts()[0]
     messages = [{"role": "user", "content": question.turns[0]}, {"role": "assistant", "content": first["output"]},
                 {"role": "user", "content": question.turns[1]}]
     assert second["prompt_tokens"] == len(render_prompt(tokenizer, messages))

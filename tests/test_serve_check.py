@@ -219,7 +219,8 @@ def _counters(drafts: float, accepted: float) -> vllm_server.SpecCounters:
 
 def test_suite_table_puts_each_engines_tau_per_domain_beside_the_project(tmp_path):
     import serve_llama_cpp
-    from dflash_trainer.evaluate import EvalPrompt, EvalReport, domain_summaries, request_result, summarize
+    from dflash_trainer.evaluate import EvalReport, domain_summaries, request_result, summarize
+    from dflash_trainer.prompt_sets import EvalPrompt
     from dflash_trainer.spec_decode import Decoded
 
     args = serve_check.parse_args(["--suite", "mtbench,math", "--prompts", "2", "--max-tokens", "4"])

@@ -14,7 +14,8 @@ from test_evaluate import tiny_target
 from transformers import LlamaForCausalLM
 
 from dflash_trainer.config import ModelConfig
-from dflash_trainer.evaluate import EvalPrompt, InTrainingEval, request_result, summarize
+from dflash_trainer.evaluate import InTrainingEval, request_result, summarize
+from dflash_trainer.prompt_sets import EvalPrompt
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.spec_decode import Decoded, speculative_generate, target_generate
 from dflash_trainer.speedup import (SCATTER_BOUND, LoadSample, MachineProbe, PairedTimer, PairedTiming,

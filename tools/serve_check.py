@@ -243,7 +243,8 @@ def project_eval(drafter: Path, target_dir: Path, prompts: Sequence[str], *, max
     with ``domains`` (one per prompt) its summary holds tau per domain."""
     import torch
 
-    from dflash_trainer.evaluate import EvalPrompt, evaluate_prompts
+    from dflash_trainer.evaluate import evaluate_prompts
+    from dflash_trainer.prompt_sets import EvalPrompt
     from dflash_trainer.model.export import load_drafter
     from dflash_trainer.model.target import load_target
     from dflash_trainer.speedup import PairedTimer

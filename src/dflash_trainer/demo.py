@@ -30,7 +30,8 @@ from dflash_trainer.config import Config
 from dflash_trainer import duration
 from dflash_trainer.data import prepare
 from dflash_trainer.dtypes import config_probe_seconds
-from dflash_trainer.evaluate import InTrainingEval, load_prompts
+from dflash_trainer.evaluate import InTrainingEval
+from dflash_trainer.prompt_sets import load_prompts
 from dflash_trainer.interrupts import Interrupted
 from dflash_trainer.model.target import load_target
 from dflash_trainer.report import write_report

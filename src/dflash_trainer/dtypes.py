@@ -24,6 +24,7 @@ import torch
 from torch.nn import functional as F
 
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.fsutil import atomic_write_text, read_json_cache
 
 __all__ = ["BF16_MIN_GAIN", "DTYPES", "ProbeShape", "config_dtype", "config_probe_seconds", "cpu_model_name",
            "parse_dtype", "probe_cache_path", "probe_step_seconds", "resolve_dtype"]
@@ -175,23 +176,12 @@ def probe_step_seconds(shape: ProbeShape, *, repeats: int = 2,
     return best
 
 
-def _read_cache(path: Path) -> dict[str, Any]:
-    try:
-        cache = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        log.warning("ignoring unreadable dtype probe cache %s (%s); probing again", path, exc)
-        return {}
-    return cache if isinstance(cache, dict) else {}
-
-
 def _probe_entry(shape: ProbeShape, cache_path: Path) -> dict[str, Any]:
     """The cached probe of ``shape`` on this machine, measured (and cached) when missing:
     ``choice``, ``seconds`` per dtype name, ``probe_s``, ``measured`` (and ``cached``: whether it
     came from the cache)."""
     key = _cache_key(shape)
-    entry = _read_cache(cache_path).get(key)
+    entry = read_json_cache(cache_path, what="dtype probe cache").get(key)
     if isinstance(entry, dict) and entry.get("choice") in DTYPES and isinstance(entry.get("seconds"), dict):
         return {**entry, "cached": True}
     start = time.perf_counter()
@@ -200,10 +190,8 @@ def _probe_entry(shape: ProbeShape, cache_path: Path) -> dict[str, Any]:
     choice = "bfloat16" if seconds["bfloat16"] <= (1 - BF16_MIN_GAIN) * seconds["float32"] else "float32"
     entry = {"choice": choice, "seconds": seconds, "probe_s": round(probe_s, 3),
              "measured": datetime.now(UTC).isoformat(timespec="seconds")}
-    cache = _read_cache(cache_path)
+    cache = read_json_cache(cache_path, what="dtype probe cache")
     cache[key] = entry
-    from dflash_trainer.assets import atomic_write_text
-
     try:
         atomic_write_text(cache_path, json.dumps(cache, indent=1, sort_keys=True))
     except OSError as exc:

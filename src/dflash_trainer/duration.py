@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.fsutil import atomic_write_text
+from dflash_trainer.fsutil import atomic_write_text, read_json_cache
 
 log = logging.getLogger(__name__)
 
@@ -102,21 +102,10 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 60:.0f} min"
 
 
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        log.warning("ignoring unreadable %s (%s)", path, exc)
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
 def recorded_ratios(key: str, *, cache_path: Path | None = None) -> DurationRatios | None:
     """The ratios the last demo with this key recorded, or None."""
     path = cache_path or durations_cache_path()
-    entry = _read(path).get(key)
+    entry = read_json_cache(path, what="demo durations cache").get(key)
     try:
         step, evaluation = float(entry["step_per_probe"]), float(entry["eval_per_probe"])
     except (TypeError, KeyError, ValueError):
@@ -124,7 +113,8 @@ def recorded_ratios(key: str, *, cache_path: Path | None = None) -> DurationRati
     if not (math.isfinite(step) and math.isfinite(evaluation) and step > 0 and evaluation > 0):
         return None
     return DurationRatios(step_per_probe=step, eval_per_probe=evaluation,
-                          source=f"ratios the last demo on this machine measured ({path})")
+                          source="ratios the last demo on this machine measured (demo-durations.json "
+                                 "in the user cache)")
 
 
 def estimate(key: str, *, steps: int, probe_s: float,
@@ -145,7 +135,7 @@ def record(key: str, ratios: dict[str, float], *, cache_path: Path | None = None
     """Keep a finished demo's ratios for the next estimate on this machine (best effort: a cache
     that cannot be written costs only the next estimate's accuracy)."""
     path = cache_path or durations_cache_path()
-    data = _read(path)
+    data = read_json_cache(path, what="demo durations cache")
     data[key] = ratios
     try:
         atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True))

@@ -50,18 +50,15 @@ from torch import nn
 from dflash_trainer.config import Config, save_config
 from dflash_trainer.data.tokenize import render_prompt
 from dflash_trainer.errors import CheckpointError, ConfigError
-from dflash_trainer.prompt_sets import (PROMPT_SETS, EvalError, EvalPrompt, heldout_prompts, load_prompts,
-                                        mtbench_prompts, prompt_from_messages, read_prompt_file, suite_prompts)
+from dflash_trainer.prompt_sets import PROMPT_SETS, EvalPrompt, load_prompts, suite_prompts
 from dflash_trainer.spec_decode import (Decoded, acceptance_spans, end_of_turn_ids, first_mismatch,
                                         piece_texts, speculative_generate, target_generate)
 from dflash_trainer.speedup import (Clock, PairedTimer, PairedTiming, SpeedupMeasurement, TimingRun,
                                     describe_measurement, format_speedup)
 
-# The prompt loaders live in prompt_sets; they are re-exported here, where callers found them first.
-__all__ = ["EvalError", "EvalPrompt", "EvalReport", "InTrainingEval", "RequestResult", "acceptance_trace",
-           "decode_request", "default_out_dir", "domain_summaries", "evaluate_prompts", "heldout_prompts",
-           "load_models", "load_prompts", "main", "mtbench_prompts", "print_summary", "prompt_from_messages",
-           "read_prompt_file", "request_result", "summarize", "write_results"]
+__all__ = ["EvalReport", "InTrainingEval", "RequestResult", "acceptance_trace", "decode_request",
+           "default_out_dir", "domain_summaries", "evaluate_prompts", "load_models", "main", "print_summary",
+           "request_result", "summarize", "write_results"]
 
 
 @dataclass(kw_only=True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import re
@@ -38,6 +39,19 @@ DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, e
 read-only, no permission, a file where a folder is expected or the reverse): user errors, not
 bugs."""
 DISK_FIX = "free space or fix the permissions there, or choose another folder"
+
+
+def read_json_cache(path: Path, *, what: str) -> dict:
+    """A cache file's JSON object; {} when it is missing, unreadable or not an object (a cache
+    only saves work: a damaged one is warned about, naming ``what`` it holds, and rebuilt)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        log.warning("ignoring unreadable %s %s (%s); measuring again", what, path, exc)
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _read_umask() -> int:

@@ -29,7 +29,8 @@ from torch import nn
 from dflash_trainer.config import Config
 from dflash_trainer.data.tokenize import render_prompt
 from dflash_trainer.errors import ConfigError
-from dflash_trainer.evaluate import EvalError, EvalPrompt, load_models, read_prompt_file
+from dflash_trainer.evaluate import load_models
+from dflash_trainer.prompt_sets import EvalError, EvalPrompt, read_prompt_file
 from dflash_trainer.speedup import PairedTimer, SpeedupMeasurement
 from dflash_trainer.spec_decode import (Decoded, Span, end_of_turn_ids, first_mismatch, speculative_generate,
                                         target_generate)
