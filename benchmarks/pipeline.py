@@ -1,6 +1,6 @@
 """Pipelined training vs the same steps run sequentially in one thread, in one run.
 
-    python -m benchmarks.pipeline [--steps 8] [--warmup 2] [--threads 2/2 1/1 1/2 2/1]
+    python -m benchmarks.pipeline [--config FILE] [--steps 8] [--warmup 2] [--threads 2/2 1/1 1/2 2/1]
                                  [--repeats 1] [--target smollm2] [--data sharegpt] [--out pipeline.json]
                                  [--set key=value ...]
 
@@ -401,6 +401,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every setting this many times, in alternating order; the "
                              "summary uses medians")
+    parser.add_argument("--config", default=None,
+                        help="start from this config file (e.g. configs/demo-cpu.yaml) instead of "
+                             "the benchmark's settings; --target/--data/--set still apply")
     parser.add_argument("--target", default="smollm2", help="model.target")
     parser.add_argument("--data", default="sharegpt", help="data.paths (one path)")
     parser.add_argument("--cache-dir", default=None, help="data.cache_dir")
@@ -411,10 +414,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.steps < 1 or args.warmup < 0 or args.repeats < 1:
         parser.error("--steps and --repeats must be >= 1, --warmup >= 0")
 
-    overrides = [*DEFAULTS, f"model.target={args.target}", f"data.paths=[{args.data}]"]
+    overrides = [*(DEFAULTS if args.config is None else ()), f"model.target={args.target}",
+                 f"data.paths=[{args.data}]"]
     if args.cache_dir:
         overrides.append(f"data.cache_dir={args.cache_dir}")
-    cfg = load_config(None, [*overrides, *args.overrides])
+    cfg = load_config(args.config, [*overrides, *args.overrides])
     parts = build_parts(cfg)
     seq_threads = args.sequential_threads or sorted({d for _, d in args.threads}, reverse=True)
     results: list[RunResult] = []

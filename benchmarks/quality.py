@@ -34,6 +34,7 @@ import contextlib
 import hashlib
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -206,6 +207,9 @@ def worker_variant(spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         trainer.close()
     steps = trainer.drafter_step.optimizer_step
+    # Read before the evaluation, whose float32 copies would otherwise set the peak.
+    peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    drafter_params = sum(p.numel() for p in trainer.drafter.parameters() if p.requires_grad)
     logged = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()
               if line.strip()]
     windows = [r for r in logged if "train/loss" in r]
@@ -220,6 +224,8 @@ def worker_variant(spec: dict[str, Any]) -> dict[str, Any]:
         "train_tokens": tokens,
         "tokens_per_s": tokens / train_s if train_s > 0 else None,
         "steps_per_s": steps / train_s if train_s > 0 else None,
+        "train_peak_rss_mb": peak_rss_mb,
+        "drafter_trainable_params": drafter_params,
         "final_loss": _window_mean(windows, "train/loss"),
         "final_acc": _window_mean(windows, "train/acc"),
         "final_tau_sim": _window_mean(windows, "train/tau_sim"),

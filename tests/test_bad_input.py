@@ -598,6 +598,16 @@ CASES = [
          r"resume with the checkpoint's config.yaml$"),
     Case("train: resume with another data order", _sharded_resume(None, "training.seed=7"), 2,
          r"checkpoint error: cannot resume: training.seed was \d+ in the checkpoint and is 7 now"),
+    # --- eval --engine: an unknown engine, before any model loads ---
+    Case("eval --engine: unknown engine",
+         lambda t, d: ["eval", "--suite", "--engine", "sglang", "--drafter", str(d / "no-drafter"),
+                       f"model.target={t}", f"run_dir={d / 'run'}"], 2,
+         r"config error: --engine must be llama.cpp, vllm or all, got 'sglang'$"),
+    Case("eval --engine at temperature > 0",
+         lambda t, d: ["eval", "--engine", "llama.cpp", "--drafter", str(d / "no-drafter"), f"model.target={t}",
+                       f"run_dir={d / 'run'}", "eval.temperature=0.7"], 2,
+         r"config error: --engine compares greedy outputs with and without the drafter; eval.temperature is 0.7, "
+         r"set eval.temperature=0$"),
 ]
 
 

@@ -1,7 +1,7 @@
-"""Layering: the model and data layers never import the layers built on them.
+"""Layering: the model, data and engine layers never import the layers built on them.
 
 ``model/`` and ``data/`` are used by the pipeline, the trainer, the evaluation and the command
-line; an import the other way (at module level or inside a function) would tie a lower layer to
+line, ``engines/`` (llama.cpp and vLLM servers) by the evaluation and the serve check; an import the other way (at module level or inside a function) would tie a lower layer to
 a higher one. Every import statement of every module is read from its source (ast), so an import
 that runs only on some paths counts too.
 """
@@ -16,7 +16,7 @@ import pytest
 import dflash_trainer
 
 PACKAGE = Path(dflash_trainer.__file__).parent
-LOWER = ("dflash_trainer.model", "dflash_trainer.data")
+LOWER = ("dflash_trainer.model", "dflash_trainer.data", "dflash_trainer.engines")
 HIGHER = ("dflash_trainer.pipeline", "dflash_trainer.cli", "dflash_trainer.train",
           "dflash_trainer.evaluate")
 

@@ -14,14 +14,12 @@ import pytest
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-import serve_check  # noqa: E402
-import vllm_env  # noqa: E402
-import vllm_server  # noqa: E402
-from dflash_trainer.config import ModelConfig  # noqa: E402
-from dflash_trainer.model.drafter import build_drafter  # noqa: E402
-from dflash_trainer.model.export import export_drafter  # noqa: E402
+from dflash_trainer.config import ModelConfig
+from dflash_trainer.engines import compare, serve_llama_cpp, serve_vllm, vllm_env, vllm_server
+from dflash_trainer.engines.llama_cpp_server import LlamaCompletion
+from dflash_trainer.model.drafter import build_drafter
+from dflash_trainer.model.export import export_drafter
+from tools import serve_check  # the repository root is on pytest's path; tools/ holds the script
 
 METRICS = textwrap.dedent("""\
     # HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
@@ -52,10 +50,10 @@ def test_spec_counters_from_metrics_page():
 
 def test_acceptance_from_lengths_counts_like_vllm():
     # Steps committing 1, 3 and 2 tokens: 0, 2 and 1 accepted drafts.
-    pooled, per_pos = serve_check.acceptance_from_lengths([1, 3, 2], 4)
+    pooled, per_pos = compare.acceptance_from_lengths([1, 3, 2], 4)
     assert pooled == pytest.approx(2.0)
     assert per_pos == pytest.approx([2 / 3, 1 / 3, 0.0, 0.0])
-    assert serve_check.acceptance_from_lengths([], 4) == (None, [])
+    assert compare.acceptance_from_lengths([], 4) == (None, [])
 
 
 def test_server_command_uses_module_entrypoint_and_loopback():
@@ -186,10 +184,10 @@ def _completion(text: str, ids: list[int]) -> vllm_server.Completion:
 
 def test_report_marks_differing_outputs(tmp_path):
     args = serve_check.parse_args(["--prompts", "2", "--max-tokens", "8"])
-    spec = serve_check.ServedRun(label="drafter", startup_s=100.0,
+    spec = serve_vllm.ServedRun(label="drafter", startup_s=100.0,
                                  completions=[_completion("a b", [1, 2]), _completion("c", [3])],
                                  counters=vllm_server.spec_counters(METRICS))
-    plain = serve_check.ServedRun(label="plain", startup_s=90.0,
+    plain = serve_vllm.ServedRun(label="plain", startup_s=90.0,
                                   completions=[_completion("a b", [1, 2]), _completion("d", [4])])
     result = serve_check.build_result(args, tmp_path, tmp_path / "drafter", "given", ["p0", "p1"], (spec, plain),
                                       None, {}, num_draft=15)
@@ -218,7 +216,6 @@ def _counters(drafts: float, accepted: float) -> vllm_server.SpecCounters:
 
 
 def test_suite_table_puts_each_engines_tau_per_domain_beside_the_project(tmp_path):
-    import serve_llama_cpp
     from dflash_trainer.evaluate import EvalReport, domain_summaries, request_result, summarize
     from dflash_trainer.prompt_sets import EvalPrompt
     from dflash_trainer.spec_decode import Decoded
@@ -236,11 +233,11 @@ def test_suite_table_puts_each_engines_tau_per_domain_beside_the_project(tmp_pat
     summary["domains"] = domain_summaries(requests, block_size=4, temperature=0.0)
     report = EvalReport(summary=summary, requests=requests)
     # vLLM: cumulative counters after each prompt; mtbench accepted 4 of 4 steps' first drafts, math none.
-    spec = serve_check.ServedRun(label="drafter", completions=[_completion("a", [1])] * 4,
+    spec = serve_vllm.ServedRun(label="drafter", completions=[_completion("a", [1])] * 4,
                                  snapshots=[_counters(0, 0), _counters(2, 2), _counters(4, 4), _counters(7, 4),
                                             _counters(10, 4)])
     spec.counters = spec.snapshots[-1].minus(spec.snapshots[0])
-    plain = serve_check.ServedRun(label="plain", completions=[_completion("a", [1])] * 3 + [_completion("b", [2])])
+    plain = serve_vllm.ServedRun(label="plain", completions=[_completion("a", [1])] * 3 + [_completion("b", [2])])
     result = serve_check.build_result(args, tmp_path, tmp_path / "drafter", "given", ["p"] * 4, (spec, plain),
                                       report, {}, num_draft=3)
     # llama.cpp: mtbench pairs commit 12 tokens in 8 steps (pooled 1.5), math in 12 steps (1.0).
@@ -259,20 +256,19 @@ def test_suite_table_puts_each_engines_tau_per_domain_beside_the_project(tmp_pat
     mtbench, math = result["domains"]["mtbench"], result["domains"]["math"]
     assert mtbench["project"]["tau"] == pytest.approx(1.5) and mtbench["project"]["pooled_tau"] == pytest.approx(1.5)
     assert math["project"]["tau"] == pytest.approx(1.0)
-    assert mtbench["llama_cpp"]["pooled_tau"] == pytest.approx(1.5) and math["llama_cpp"]["pooled_tau"] == 1.0
+    assert mtbench["llama_cpp"]["tau"] == pytest.approx(1.5) and math["llama_cpp"]["tau"] == 1.0
     assert mtbench["llama_cpp"]["speedup"] == pytest.approx(1.2)
-    assert mtbench["vllm"]["mean_acceptance_length"] == pytest.approx(2.0) and mtbench["vllm"]["drafts"] == 4
-    assert math["vllm"]["mean_acceptance_length"] == pytest.approx(1.0) and math["vllm"]["identical"] == 1
+    assert mtbench["vllm"]["tau"] == pytest.approx(2.0) and mtbench["vllm"]["drafts"] == 4
+    assert math["vllm"]["tau"] == pytest.approx(1.0) and math["vllm"]["identical"] == 1
     table = serve_check.format_report(result)
     assert "4 first turns of mtbench, math, max_tokens 4" in table
     lines = table[table.index("tau per domain"):].splitlines()
     assert lines[1].split()[:4] == ["domain", "prompts", "project", "tau"]
-    assert lines[2].split() == ["mtbench", "2", "1.500", "1.500", "1.500", "2/2", "2.000", "2/2", "1.20x"]
-    assert lines[3].split() == ["math", "2", "1.000", "1.000", "1.000", "2/2", "1.000", "1/2", "1.20x"]
+    # Per engine: tau, identical, speedup (vLLM's from request wall times, equal here).
+    assert lines[2].split() == ["mtbench", "2", "1.500", "1.500", "1.500", "2/2", "1.20x", "2.000", "2/2", "n/a"]
+    assert lines[3].split() == ["math", "2", "1.000", "1.000", "1.000", "2/2", "1.20x", "1.000", "1/2", "n/a"]
 
 
 def completion_of(tokens: int, *, accepted: int = 0, ms: float = 100.0):
-    import llama_cpp_server
-
-    return llama_cpp_server.LlamaCompletion(token_ids=[1] * tokens, text="", decode_ms=ms, decode_tokens=tokens,
+    return LlamaCompletion(token_ids=[1] * tokens, text="", decode_ms=ms, decode_tokens=tokens,
                                             draft_n=3 * accepted, draft_accepted=accepted, wall_s=ms / 1000)

@@ -5,15 +5,10 @@ The end-to-end run against a real ``llama-server`` is ``make serve-check`` (CI r
 """
 
 import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-import llama_cpp_build  # noqa: E402
-import llama_cpp_server  # noqa: E402
-import serve_llama_cpp  # noqa: E402
+from dflash_trainer.engines import llama_cpp_build, llama_cpp_server, serve_llama_cpp
 
 
 def completion(tokens, *, draft_n=0, accepted=0, ms=100.0):
@@ -96,7 +91,7 @@ def test_summary_is_a_ratio_of_sums_and_flags_scatter(tmp_path):
 
 
 def test_serve_check_reports_llama_cpp_side_by_side(tmp_path):
-    import serve_check
+    from tools import serve_check
 
     options = serve_llama_cpp.LlamaCppOptions(build_dir=tmp_path, threads=2)
     rows = {"pairs": [pair(0, 120.0, 100.0), pair(1, 120.0, 100.0, identical=False)],

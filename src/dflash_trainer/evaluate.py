@@ -20,6 +20,10 @@ HumanEval and CHAMP math by default, the first turns of ``eval.suite_prompts`` p
 every request carries its domain, and the summary gains ``domains``: the same summary for each
 domain's requests (its speedup from its own pairs), so tau is reported per domain.
 
+``--engine llama.cpp|vllm|all`` then serves the same requests with real engines, plain and with
+the drafter (:mod:`dflash_trainer.engines.compare`), and adds each engine's tau per domain,
+identical outputs and tokens/s beside the project's (``engines`` in ``results.json``).
+
 Results go to ``RUN_DIR/eval/`` (``RUN_DIR/eval/suite/`` for the suite, or ``--out``):
 ``results.json`` (summary fields at the top level, where ``dflash-trainer report`` reads ``tau``
 and ``acceptance_hist``, plus a ``per_prompt`` list, each request with its acceptance ``trace``)
@@ -36,13 +40,15 @@ measurement on a small fixed prompt set for the training loop.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -55,6 +61,9 @@ from dflash_trainer.spec_decode import (Decoded, acceptance_spans, end_of_turn_i
                                         piece_texts, speculative_generate, target_generate)
 from dflash_trainer.speedup import (Clock, PairedTimer, PairedTiming, SpeedupMeasurement, TimingRun,
                                     describe_measurement, format_speedup)
+
+if TYPE_CHECKING:
+    from dflash_trainer.engines.compare import EngineRequests
 
 __all__ = ["EvalReport", "InTrainingEval", "RequestResult", "acceptance_trace", "decode_request",
            "default_out_dir", "domain_summaries", "evaluate_prompts", "load_models", "main", "print_summary",
@@ -329,14 +338,21 @@ def evaluate_prompts(drafter: nn.Module, target: nn.Module, tokenizer: Any, prom
     return EvalReport(summary=summary, requests=requests)
 
 
-def _prompt_ids(tokenizer: Any, prompt: EvalPrompt, answers: list[str], turn: int, thinking: bool,
-                device: torch.device) -> torch.Tensor:
+def request_messages(prompt: EvalPrompt, answers: Sequence[str], turn: int) -> list[dict[str, str]]:
+    """The chat messages of one request: the system prompt, then the user turns up to ``turn``
+    with the earlier ``answers`` between them."""
     messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
     for k in range(turn + 1):
         messages.append({"role": "user", "content": prompt.turns[k]})
         if k < turn:
             messages.append({"role": "assistant", "content": answers[k]})
-    return torch.tensor([render_prompt(tokenizer, messages, thinking=thinking)], device=device)
+    return messages
+
+
+def _prompt_ids(tokenizer: Any, prompt: EvalPrompt, answers: list[str], turn: int, thinking: bool,
+                device: torch.device) -> torch.Tensor:
+    return torch.tensor([render_prompt(tokenizer, request_messages(prompt, answers, turn), thinking=thinking)],
+                        device=device)
 
 
 # --- outputs --------------------------------------------------------------------------------
@@ -560,16 +576,22 @@ def default_out_dir(cfg: Config, *, suite: bool) -> Path:
 
 
 def main(cfg: Config, args: argparse.Namespace) -> int:
-    """``dflash-trainer eval --drafter DIR [--target T] [--prompts P | --suite] [--out DIR]``.
+    """``dflash-trainer eval --drafter DIR [--target T] [--prompts P | --suite] [--engine E] [--out DIR]``.
 
     ``--suite`` evaluates the first turns of ``eval.suite_prompts`` prompts of each domain of
-    ``eval.suite`` in one run and reports tau per domain. Exit status: 0 when every greedy
-    output equals the target's, 1 on a lossless failure. User errors (a bad prompt file or
+    ``eval.suite`` in one run and reports tau per domain; ``--engine`` then serves the same
+    requests with llama.cpp and/or vLLM (:func:`compare_engines`). Exit status: 0 when every
+    greedy output equals the target's, 1 on a lossless failure (or an engine's output that
+    differs from its plain serving other than by its numerics), 3 or 4 when an engine could
+    not run (not available, or refused the drafter). User errors (a bad prompt file or
     domain, a missing or incompatible drafter, a bad eval option) are raised as
     :class:`~dflash_trainer.errors.UserError` for ``cli.main`` to report with their code.
     """
     drafter_dir = Path(args.drafter)
     suite = bool(getattr(args, "suite", False))
+    engine = getattr(args, "engine", None)
+    if engine is not None:
+        check_engine_option(engine, cfg)
     if suite and getattr(args, "flag_eval__prompts", None) is not None:
         raise ConfigError("--prompts and --suite exclude each other: --suite evaluates the domains of eval.suite "
                           "(choose them with eval.suite=[mtbench,humaneval,...])")
@@ -602,4 +624,89 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     save_config(cfg, out_dir)
     print_summary(report)
     print(f"eval: wrote {json_path} and {png_path}", flush=True)
-    return 1 if report.failures else 0
+    code = 1 if report.failures else 0
+    if engine is not None:
+        num_draft = int(drafter.block_size) - 1
+        del drafter, target  # the engines load the target themselves: free its memory first
+        gc.collect()
+        engine_code = compare_engines(engine, cfg, report, prompts, tokenizer, target_path=target_path,
+                                      drafter_dir=drafter_dir, num_draft=num_draft, out_dir=out_dir,
+                                      domain=None if suite else prompt_source_name(cfg.eval.prompts))
+        code = 1 if code or engine_code == 1 else engine_code
+    return code
+
+
+ENGINE_CHOICES = ("llama.cpp", "vllm", "all")
+
+
+def check_engine_option(engine: str, cfg: Config) -> None:
+    """Raise a :class:`ConfigError` for an ``--engine`` the comparison cannot run."""
+    if engine not in ENGINE_CHOICES:
+        raise ConfigError(f"--engine must be {', '.join(ENGINE_CHOICES[:-1])} or {ENGINE_CHOICES[-1]}, got {engine!r}")
+    if cfg.eval.temperature > 0:
+        raise ConfigError(f"--engine compares greedy outputs with and without the drafter; eval.temperature is "
+                          f"{cfg.eval.temperature:g}, set eval.temperature=0")
+
+
+def prompt_source_name(source: str) -> str:
+    """The domain name of a prompt source: the set's name, or a file's stem."""
+    return source if source in PROMPT_SETS else Path(source).stem
+
+
+def compare_engines(engine: str, cfg: Config, report: EvalReport, prompts: Sequence[EvalPrompt], tokenizer: Any, *,
+                    target_path: Path, drafter_dir: Path, num_draft: int, out_dir: Path, domain: str | None) -> int:
+    """``eval --engine``: the evaluation's requests through each engine (plain and with the
+    drafter), tau per domain beside the project's, the ``engines`` section added to
+    ``results.json``; returns the engines' exit status (:func:`dflash_trainer.engines.compare.exit_code`)."""
+    from dflash_trainer.engines.compare import (LABELS, EngineSettings, engine_names, exit_code, format_engines,
+                                                project_domains, run_engines)
+    from dflash_trainer.engines.llama_cpp_build import default_folder
+    from dflash_trainer.engines.serve_llama_cpp import LlamaCppOptions
+
+    requests = engine_requests(prompts, report, tokenizer, thinking=cfg.data.thinking, domain=domain)
+    s = report.summary
+    taus = {name: d["tau"] for name, d in s["domains"].items()} if s.get("domains") else {domain: s["tau"]}
+    project = project_domains(report.requests, requests.domains, taus, num_draft=num_draft)
+    # The embedded target ships a Q4_1 GGUF; any other target is converted, at full precision.
+    target_type = cfg.eval.llama_cpp_target if cfg.model.target == "smollm2" else "f32"
+    llama = LlamaCppOptions(build_dir=Path(cfg.eval.llama_cpp_build) if cfg.eval.llama_cpp_build else default_folder(),
+                            target_type=target_type, threads=cfg.eval.engine_threads or os.cpu_count() or 1,
+                            startup_timeout_s=cfg.eval.engine_startup_timeout_s)
+    settings = EngineSettings(target_name=cfg.model.target, target_dir=Path(target_path), drafter=drafter_dir,
+                              num_draft=num_draft, max_tokens=cfg.eval.max_new_tokens, dtype=s["dtype"], llama=llama,
+                              vllm_venv=Path(cfg.eval.vllm_venv).absolute(),
+                              startup_timeout_s=cfg.eval.engine_startup_timeout_s)
+    names = engine_names(engine)
+    print(f"eval: the same {len(requests.prompt_ids)} requests through {', '.join(LABELS[n] for n in names)}, "
+          f"plain and with the drafter (greedy, max_tokens {cfg.eval.max_new_tokens})", flush=True)
+    sections = run_engines(names, requests, settings, out_dir=out_dir / "engines",
+                           log=lambda line: print(f"eval: {line}", flush=True))
+    report.summary["engines"] = sections
+    json_path, _ = write_results(report, out_dir)
+    print(format_engines(sections, project, max_tokens=cfg.eval.max_new_tokens), flush=True)
+    for name, section in sections.items():
+        if "error" in section:
+            print(f"dflash-trainer eval: engine error: {LABELS[name]} {section['error']}", file=sys.stderr, flush=True)
+    print(f"eval: wrote the engines section into {json_path} (servers' logs in {out_dir / 'engines'})", flush=True)
+    return exit_code(sections)
+
+
+def engine_requests(prompts: Sequence[EvalPrompt], report: EvalReport, tokenizer: Any, *, thinking: bool,
+                    domain: str | None) -> EngineRequests:
+    """The evaluation's requests as the engines receive them: the same messages (a later turn
+    after the project's own answer to the earlier ones), rendered by the project's chat
+    template, each with its domain (``domain`` for requests outside a suite)."""
+    from dflash_trainer.engines.compare import EngineRequests
+
+    conversations, ids, domains = [], [], []
+    results = iter(report.requests)
+    for prompt in prompts:
+        answers: list[str] = []
+        for turn in range(len(prompt.turns)):
+            result = next(results)
+            messages = request_messages(prompt, answers, turn)
+            conversations.append(messages)
+            ids.append(render_prompt(tokenizer, messages, thinking=thinking))
+            domains.append(result.domain or domain)
+            answers.append(result.output)
+    return EngineRequests(conversations=conversations, prompt_ids=ids, domains=domains)

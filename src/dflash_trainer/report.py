@@ -202,6 +202,15 @@ class EvalResult:
         return {str(k): v for k, v in domains.items() if isinstance(v, dict)}
 
     @property
+    def engines(self) -> dict[str, dict[str, Any]]:
+        """The ``engines`` section of an ``eval --engine`` result: per engine its per-domain rows,
+        totals, or ``error``; empty for other files."""
+        engines = self.data.get("engines")
+        if not isinstance(engines, dict):
+            return {}
+        return {str(k): v for k, v in engines.items() if isinstance(v, dict)}
+
+    @property
     def acceptance_hist(self) -> list[float] | None:
         hist = self.data.get("acceptance_hist")
         if isinstance(hist, list) and hist and all(isinstance(c, (int, float)) for c in hist):
@@ -637,6 +646,8 @@ def _first_screen(log: MetricsLog, evals: list[EvalResult]) -> str:
     figures = "".join(_figure_html(p) for p in PLOTS if p.file in HEADLINE)
     domains = "".join(f"<h3>Tau per domain (eval/{html.escape(e.name)})</h3>{_domains_table(e)}"
                       for e in evals if e.domains)
+    domains += "".join(f"<h3>Tau per domain and engine (eval/{html.escape(e.name)})</h3>{_engines_table(e)}"
+                       for e in evals if e.engines)
     return (f"<h2>Did it work?</h2><div class='cards'>{''.join(cards)}</div>{domains}"
             f"<div class='pair'>{figures}</div>")
 
@@ -655,6 +666,47 @@ def _domains_table(e: EvalResult) -> str:
     rows = "".join(row(name, d) for name, d in e.domains.items()) + row("all", e.data)
     return ("<table><tr><th>domain</th><th>prompts</th><th>tokens</th><th>tau</th><th>speedup</th>"
             f"<th>lossless</th></tr>{rows}</table>")
+
+
+ENGINE_LABELS = {"llama.cpp": "llama.cpp", "vllm": "vLLM"}
+
+
+def _engines_table(e: EvalResult) -> str:
+    """``eval --engine``: tau per domain of the project's loop and of each engine, the outputs
+    identical to plain serving and the engine's speedup; below, per engine its tokens/s, load,
+    or why it did not run."""
+    ran = {name: s for name, s in e.engines.items() if isinstance(s.get("domains"), dict)}
+    domains = list(dict.fromkeys(d for s in ran.values() for d in s["domains"]))
+    head = "<tr><th>domain</th><th>project tau</th>" + "".join(
+        f"<th>{html.escape(ENGINE_LABELS.get(n, n))} tau</th><th>identical</th><th>speedup</th>" for n in ran) + "</tr>"
+    rows = []
+    for domain in domains:
+        project = e.domains.get(domain, e.data if not e.domains else {})
+        cells = [domain, _fmt(project.get("tau"), "{:.3f}")]
+        for s in ran.values():
+            d = s["domains"].get(domain)
+            if not isinstance(d, dict):
+                cells += ["-", "-", "-"]
+                continue
+            cells += [_fmt(d.get("tau"), "{:.3f}"), f"{_fmt(d.get('identical'))}/{_fmt(d.get('prompts'))}",
+                      _fmt(d.get("speedup"), "{:.2f}x")]
+        rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
+    notes = []
+    for name, s in e.engines.items():
+        label = html.escape(ENGINE_LABELS.get(name, name))
+        if "error" in s:
+            notes.append(f"<li><b>{label}</b> did not run: {html.escape(str(s['error']).partition(chr(10))[0])}</li>")
+            continue
+        reliable = " (unreliable: " + "; ".join(map(str, s.get("speedup_unreliable_reasons") or [])) + ")" \
+            if s.get("speedup_reliable") is False else ""
+        notes.append(f"<li><b>{label}</b> ({html.escape(str(s.get('engine')))}): tokens/s plain "
+                     f"{_fmt(s.get('plain_tokens_per_s'), '{:.1f}')}, with the drafter "
+                     f"{_fmt(s.get('drafter_tokens_per_s'), '{:.1f}')}, speedup {_fmt(s.get('speedup'), '{:.2f}x')}"
+                     f"{html.escape(reliable)} ({html.escape(str(s.get('timing')))}; 1-min load "
+                     f"{_fmt(s.get('load_before'), '{:.2f}')} to {_fmt(s.get('load_after'), '{:.2f}')}); "
+                     f"identical to plain serving {_fmt(s.get('identical'))}/{_fmt(s.get('prompts'))}</li>")
+    table = f"<table>{head}{''.join(rows)}</table>" if ran else ""
+    return f"{table}<ul>{''.join(notes)}</ul>"
 
 
 def _figure_html(plot: Plot) -> str:
@@ -739,6 +791,8 @@ def _eval_section(evals: list[EvalResult], skipped: list[str]) -> str:
         if hist:
             rows.append(("acceptance_hist", ", ".join(f"{c:g}" for c in hist)))
         domains = f"<p>Per domain:</p>{_domains_table(e)}" if e.domains else ""
+        if e.engines:
+            domains += f"<p>Per domain and engine:</p>{_engines_table(e)}"
         parts.append(f"<h3>{html.escape(e.name)}</h3>{_table(rows)}{domains}")
     if skipped:
         parts.append("<p>Skipped files:</p><ul>"

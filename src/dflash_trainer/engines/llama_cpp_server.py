@@ -23,8 +23,8 @@ from typing import Any
 
 import httpx
 
-from llama_cpp_build import source_dir
-from vllm_server import HOST, ServerError
+from dflash_trainer.engines.llama_cpp_build import source_dir
+from dflash_trainer.engines.vllm_server import HOST, ServerError
 
 # convert_hf_to_gguf.py imports these; they are not the trainer's own dependencies.
 CONVERT_REQUIREMENTS = ("sentencepiece",)

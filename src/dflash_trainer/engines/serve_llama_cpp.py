@@ -1,4 +1,4 @@
-"""The llama.cpp arm of ``make serve-check``: plain and speculative ``llama-server``, side by side.
+"""The llama.cpp arm of ``make serve-check`` and ``eval --engine``: plain and speculative ``llama-server``.
 
 Both servers run at once on 127.0.0.1 (started one after the other), each with the same thread
 count; the prompts go to them alternately (plain then drafter for even prompts, drafter then
@@ -28,9 +28,10 @@ from typing import Any
 
 import httpx
 
-from llama_cpp_build import SDIST_PIN, ensure_built
-from llama_cpp_server import LlamaCompletion, complete, convert, converted_drafter, server_command
-from vllm_server import VllmServer, free_port
+from dflash_trainer.engines.llama_cpp_build import SDIST_PIN, ensure_built
+from dflash_trainer.engines.llama_cpp_server import (LlamaCompletion, complete, convert, converted_drafter,
+                                                     server_command)
+from dflash_trainer.engines.vllm_server import VllmServer, free_port
 
 NEAR_TIE = 0.01
 """Top-2 log-probability margin (nats) under which a differing output of a float target is the
@@ -109,7 +110,7 @@ def run_llama_cpp(*, target_name: str, target_dir: Path, drafter: Path, prompt_i
     cache = options.build_dir / "models"
     cache.mkdir(parents=True, exist_ok=True)
     model = target_gguf(target_name, target_dir, options, cache)
-    log(f"serve-check: converting the drafter with llama.cpp's convert_hf_to_gguf.py ({options.drafter_type})")
+    log(f"llama.cpp: converting the drafter with llama.cpp's convert_hf_to_gguf.py ({options.drafter_type})")
     draft = converted_drafter(drafter, target_dir, cache, build_dir=options.build_dir, outtype=options.drafter_type)
     n_max = options.draft_n_max or num_draft
     servers = {}
@@ -121,7 +122,7 @@ def run_llama_cpp(*, target_name: str, target_dir: Path, drafter: Path, prompt_i
                                     name="llama-server")
     try:
         for label, server in servers.items():
-            log(f"serve-check: starting llama-server {label} on {server.url} (log {server.log_path})")
+            log(f"llama.cpp: starting llama-server {label} on {server.url} (log {server.log_path})")
             server.start()
             server.wait_ready(options.startup_timeout_s)
         rows = _alternate(servers, prompt_ids, prompts, max_tokens=max_tokens, n_max=n_max,
@@ -154,7 +155,7 @@ def _alternate(servers: dict[str, VllmServer], prompt_ids: Sequence[list[int]], 
                           "first_difference": position, **verdict, "steps": steps,
                           "tau": (spec.decode_tokens - 1) / steps if steps else None,
                           "plain": asdict(plain), "drafter": asdict(spec)})
-            log(f"serve-check: llama.cpp [{i + 1}/{len(prompt_ids)}] plain {plain.tokens_per_s or 0:.1f} tok/s, "
+            log(f"llama.cpp: [{i + 1}/{len(prompt_ids)}] plain {plain.tokens_per_s or 0:.1f} tok/s, "
                 f"drafter {spec.tokens_per_s or 0:.1f} tok/s, {'identical' if position is None else 'DIFFERS'}")
     return {"pairs": pairs, "load_before": load_before, "load_after": _load()}
 

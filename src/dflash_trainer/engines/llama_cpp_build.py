@@ -73,8 +73,10 @@ def _run(name: str, command: list[str], log_file, *, cwd: Path | None = None) ->
     code = subprocess.call(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                            cwd=cwd)
     if code != 0:
+        log_file.flush()
+        tail = "\n".join(Path(log_file.name).read_text(errors="replace").splitlines()[-15:])
         raise BuildError(f"llama.cpp build: step '{name}' failed with exit code {code}; "
-                         f"see {log_file.name}")
+                         f"see {log_file.name}:\n{tail}")
 
 
 def _unpack(folder: Path, log_file) -> None:
@@ -126,7 +128,8 @@ def ensure_built(folder: Path, *, jobs: int | None = None, log: Callable[[str], 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python tools/llama_cpp_build.py [FOLDER]``: build (or find) llama-server; exit 1 on failure."""
+    """``python -m dflash_trainer.engines.llama_cpp_build [FOLDER]``: build (or find) llama-server;
+    exit 1 on failure."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", nargs="?", default=str(default_folder()))
     parser.add_argument("--jobs", type=int, default=None)
