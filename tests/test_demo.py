@@ -19,8 +19,14 @@ def test_an_unreliable_speedup_is_marked_in_the_table():
     lines = _results_table(metrics, {"eval/tau": 1.282, "eval/lossless": 1}, (untrained, trained)).splitlines()
     assert lines[2].split() == ["decode", "speedup", "(CPU)", "0.800", "0.800", "(unreliable)"]
     assert len({len(line) for line in lines[:4]}) == 1  # the trained column widened for the mark
-    assert lines[4:] == ["  trained speedup unreliable: busy: load 2.1 from other work beside 2 eval threads "
-                         "on 2 cores"]
+    assert lines[4] == ("  trained speedup unreliable: busy: load 2.1 from other work beside 2 eval threads "
+                        "on 2 cores")
+    # 0.15 s per verify step against 6.0 / 63 s per plain token: 1.575 plain steps per verify step.
+    assert trained.step_cost == 0.15 / (6.0 / 63)
+    assert lines[5:] == [f"  the drafter does not pay on this machine: one verify step costs {trained.step_cost:.2f} "
+                         f"plain decode steps here, so a drafter pays from tau {trained.step_cost:.2f} (1.3x at "
+                         f"{1.3 * trained.step_cost:.2f}, 2x at {2 * trained.step_cost:.2f}); this drafter's tau "
+                         f"is 1.282"]
 
 
 def test_the_dtype_choice_is_printed_once_and_the_logger_is_restored(capsys):

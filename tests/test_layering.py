@@ -1,9 +1,10 @@
 """Layering: the model, data and engine layers never import the layers built on them.
 
 ``model/`` and ``data/`` are used by the pipeline, the trainer, the evaluation and the command
-line, ``engines/`` (llama.cpp and vLLM servers) by the evaluation and the serve check; an import the other way (at module level or inside a function) would tie a lower layer to
-a higher one. Every import statement of every module is read from its source (ast), so an import
-that runs only on some paths counts too.
+line, ``engines/`` (llama.cpp and vLLM servers) by the evaluation and the serve check; an import
+the other way (at module level or inside a function) would tie a lower layer to a higher one.
+Every import statement of every module is read from its source (ast), so an import that runs
+only on some paths counts too.
 """
 
 from __future__ import annotations

@@ -207,3 +207,21 @@ def test_labels():
     assert set(fields) == {"speedup", "speedup_reliable", "speedup_unreliable_reasons", "speedup_measurement"}
     assert describe_measurement(fields["speedup_measurement"]).startswith(
         "1 prompts side by side in alternating order, 2 torch threads on 2 cores, 1-min load ? before and 2.40 after")
+
+
+def test_the_break_even_tau_is_the_pooled_step_cost():
+    from dflash_trainer.speedup import pay_off_line
+
+    timings = [PairedTiming(index=i, target_first=i % 2 == 0, threads=1, target_s=t, target_tokens=40, spec_s=s,
+                            spec_tokens=40, spec_steps=steps) for i, (t, s, steps) in
+               enumerate([(4.0, 5.0, 30), (2.0, 2.0, 16)])]
+    sample = LoadSample(load_1m=0.1, others_running=0.0)
+    m = SpeedupMeasurement.from_pairs(timings, threads=1, cpus=2, before=sample, after=sample)
+    tau = 80 / 46
+    # speedup = tau / step_cost, pooled over both pairs
+    assert m.step_cost == pytest.approx((7.0 / 46) / (6.0 / 80))
+    assert m.speedup == pytest.approx(tau / m.step_cost)
+    assert m.summary_fields()["speedup_measurement"]["step_cost"] == m.step_cost
+    assert pay_off_line(m.speedup, m.step_cost, tau).startswith("the drafter does not pay on this machine")
+    assert pay_off_line(1.4, 1.1, 1.54).startswith("the drafter pays on this machine (1.40x)")
+    assert pay_off_line(None, 1.1, 1.5) is None and pay_off_line(0.8, float("nan"), 1.5) is None

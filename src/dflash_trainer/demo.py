@@ -35,7 +35,7 @@ from dflash_trainer.prompt_sets import load_prompts
 from dflash_trainer.interrupts import Interrupted
 from dflash_trainer.model.target import load_target
 from dflash_trainer.report import write_report
-from dflash_trainer.speedup import SpeedupMeasurement
+from dflash_trainer.speedup import SpeedupMeasurement, pay_off_line
 from dflash_trainer.train import Trainer, close_after_failure
 
 
@@ -61,6 +61,9 @@ def _results_table(untrained: dict[str, Any], trained: dict[str, Any],
     lines += [f"  {name:24s} {before:>{widths[0]}s} {after:>{widths[1]}s}" for name, before, after in rows]
     lines += [f"  {name} speedup unreliable: {'; '.join(m.reasons)}"
               for name, m in zip(("untrained", "trained"), speedups) if m.reliable is False]
+    pays = pay_off_line(speedups[1].speedup, speedups[1].step_cost, trained["eval/tau"])
+    if pays is not None:
+        lines.append(f"  {pays}")
     return "\n".join(lines)
 
 

@@ -60,7 +60,7 @@ from dflash_trainer.prompt_sets import PROMPT_SETS, EvalPrompt, load_prompts, su
 from dflash_trainer.spec_decode import (Decoded, acceptance_spans, end_of_turn_ids, first_mismatch,
                                         piece_texts, speculative_generate, target_generate)
 from dflash_trainer.speedup import (Clock, PairedTimer, PairedTiming, SpeedupMeasurement, TimingRun,
-                                    describe_measurement, format_speedup)
+                                    describe_measurement, format_speedup, pay_off_line)
 
 if TYPE_CHECKING:
     from dflash_trainer.engines.compare import EngineRequests
@@ -436,6 +436,9 @@ def print_summary(report: EvalReport, file: Any = None) -> None:
                  f"speculative {_fmt(s['spec_tokens_per_s'], '.1f')}, speedup {speedup}")
     if s.get("speedup_measurement") is not None:
         lines.append(f"speedup measured: {describe_measurement(s['speedup_measurement'])}")
+        pays = pay_off_line(s["speedup"], s["speedup_measurement"].get("step_cost"), s.get("tau"))
+        if pays is not None:
+            lines.append(pays)
     if s["lossless"] is None:
         lines.append("lossless: not checked (temperature > 0: outputs are samples)")
     else:

@@ -176,17 +176,23 @@ class SpeedupMeasurement:
     after: LoadSample
     step_cost_scatter: float | None
     """max / min of the per-prompt verify-step cost; None with fewer than two long prompts."""
+    step_cost: float | None
+    """One verify step (drafting included) in target-only decode steps, pooled over the pairs:
+    the speedup is tau / step_cost, so this is the break-even tau."""
 
     @classmethod
     def from_pairs(cls, timings: list[PairedTiming], *, threads: int, cpus: int, before: LoadSample,
                    after: LoadSample) -> SpeedupMeasurement:
         """Apply the definitions and the reliability rule of the module docstring."""
         used = [t for t in timings if t.speedup is not None]
-        speedup = None
+        speedup = step_cost = None
         if used:
             target_rate = sum(t.target_s for t in used) / sum(t.target_tokens for t in used)
             spec_rate = sum(t.spec_s for t in used) / sum(t.spec_tokens for t in used)
             speedup = target_rate / spec_rate
+            spec_steps = sum(t.spec_steps for t in used)
+            if spec_steps:
+                step_cost = sum(t.spec_s for t in used) / spec_steps / target_rate
         costs = [t.step_cost for t in used if min(t.spec_steps, t.target_tokens) >= MIN_STEPS]
         costs = [c for c in costs if c is not None and c > 0]
         scatter = max(costs) / min(costs) if len(costs) >= 2 else None
@@ -199,7 +205,7 @@ class SpeedupMeasurement:
             reasons.append(f"scatter: per-prompt step cost varies {scatter:.2f}x (bound {SCATTER_BOUND:g}x)")
         return cls(speedup=speedup, reliable=None if speedup is None else not reasons, reasons=reasons,
                    pairs=len(timings), threads=threads, cpus=cpus, before=before, after=after,
-                   step_cost_scatter=scatter)
+                   step_cost_scatter=scatter, step_cost=step_cost)
 
     def summary_fields(self) -> dict[str, Any]:
         """The fields of ``results.json``: ``speedup``, ``speedup_reliable``,
@@ -212,6 +218,7 @@ class SpeedupMeasurement:
                                         "load_1m_after": self.after.load_1m,
                                         "others_running_before": self.before.others_running,
                                         "others_running_after": self.after.others_running,
+                                        "step_cost": self.step_cost,
                                         "step_cost_scatter": self.step_cost_scatter,
                                         "scatter_bound": SCATTER_BOUND, "busy_margin": BUSY_MARGIN}}
 
@@ -243,6 +250,21 @@ def format_speedup(speedup: Any, reliable: Any, reasons: Any = (), spec: str = "
             return f"{value} (unreliable: {'; '.join(str(r) for r in reasons)})"
         return f"{value} (unreliable)"
     return f"{value} (reliability not recorded)"
+
+
+def pay_off_line(speedup: Any, step_cost: Any, tau: Any) -> str | None:
+    """Whether the drafter pays in this measurement, and from which tau it would: the speedup is
+    tau / step_cost (one verify step, drafting included, in target-only decode steps), so
+    decoding gets faster from tau = step_cost, 1.3x at 1.3 x that and 2x at 2 x. None when the
+    measurement lacks a figure."""
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+               for v in (speedup, step_cost, tau)):
+        return None
+    costs = (f"one verify step costs {step_cost:.2f} plain decode steps here, so a drafter pays from "
+             f"tau {step_cost:.2f} (1.3x at {1.3 * step_cost:.2f}, 2x at {2 * step_cost:.2f})")
+    if speedup < 1:
+        return f"the drafter does not pay on this machine: {costs}; this drafter's tau is {tau:.3f}"
+    return f"the drafter pays on this machine ({speedup:.2f}x): {costs}; this drafter's tau is {tau:.3f}"
 
 
 def describe_measurement(fields: Any) -> str:
