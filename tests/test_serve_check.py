@@ -216,22 +216,11 @@ def _counters(drafts: float, accepted: float) -> vllm_server.SpecCounters:
 
 
 def test_suite_table_puts_each_engines_tau_per_domain_beside_the_project(tmp_path):
-    from dflash_trainer.evaluate import EvalReport, domain_summaries, request_result, summarize
-    from dflash_trainer.prompt_sets import EvalPrompt
-    from dflash_trainer.spec_decode import Decoded
+    from test_eval_engine import DOMAINS as domains
+    from test_eval_engine import _report
 
     args = serve_check.parse_args(["--suite", "mtbench,math", "--prompts", "2", "--max-tokens", "4"])
-    domains = ["mtbench", "mtbench", "math", "math"]
-    # The project's loop: mtbench steps commit 2 and 1 tokens, math 1 and 1.
-    lengths = [[2, 1], [2, 1], [1, 1, 1], [1, 1, 1]]
-    requests = [request_result(EvalPrompt(id=str(i), turns=["p"], domain=d), 0, 3,
-                               Decoded(tokens=[1, 2, 3, 4], prefill_s=0, decode_s=1.0),
-                               Decoded(tokens=[1, 2, 3, 4], prefill_s=0, decode_s=1.0, acceptance_lengths=a),
-                               temperature=0.0)
-                for i, (d, a) in enumerate(zip(domains, lengths))]
-    summary = summarize(requests, block_size=4, temperature=0.0)
-    summary["domains"] = domain_summaries(requests, block_size=4, temperature=0.0)
-    report = EvalReport(summary=summary, requests=requests)
+    report = _report()  # the project's loop: mtbench steps commit 2 and 1 tokens, math 1 and 1
     # vLLM: cumulative counters after each prompt; mtbench accepted 4 of 4 steps' first drafts, math none.
     spec = serve_vllm.ServedRun(label="drafter", completions=[_completion("a", [1])] * 4,
                                  snapshots=[_counters(0, 0), _counters(2, 2), _counters(4, 4), _counters(7, 4),
