@@ -194,6 +194,7 @@ def worker_variant(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from dflash_trainer.config import config_to_dict, load_config
+    from dflash_trainer.dtypes import cpu_model_name
     from dflash_trainer.train import Trainer
 
     t0 = time.perf_counter()
@@ -234,6 +235,9 @@ def worker_variant(spec: dict[str, Any]) -> dict[str, Any]:
         "loss_curve": [(r["step"], r["train/loss"], r.get("train/tau_sim")) for r in windows],
         "config": config_to_dict(cfg),
         "torch_threads": torch.get_num_threads(),
+        # Steps in a time budget depend on the CPU: rows compare within one machine only.
+        "cpu": cpu_model_name(),
+        "compute_dtype": str(trainer.compute_dtype).removeprefix("torch."),
         **result,
     }
 
