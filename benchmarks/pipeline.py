@@ -28,7 +28,6 @@ import json
 import math
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -41,11 +40,9 @@ from dflash_trainer.components import Components, build
 from dflash_trainer.config import Config, load_config
 from dflash_trainer.distributed import DistInfo, resolve_device
 from dflash_trainer.model.batch import StepInput
-from dflash_trainer.model.target import TargetOutputs
 from dflash_trainer.pipeline.drafter_step import DrafterStep
 from dflash_trainer.pipeline.metrics import combine
 from dflash_trainer.pipeline.pipeline import PipelineSettings, TrainingPipeline
-from dflash_trainer.pipeline.target_stage import FeatureFn
 
 DEFAULTS = ("data.max_samples=200", "data.max_length=512", "model.num_layers=1",
             "training.num_anchors=32", "pipeline.tokens_per_batch=1024", "pipeline.device=cpu")
@@ -82,11 +79,13 @@ class Parts:
             epochs += 1
         return epochs
 
-    def pipeline(self, steps: int, extract: FeatureFn | None = None) -> TrainingPipeline:
-        """The trainer's pipeline over enough epochs for ``steps`` (not started)."""
+    def pipeline(self, steps: int, target_threads: int | None = None) -> TrainingPipeline:
+        """The trainer's pipeline over enough epochs for ``steps`` (not started), its target
+        stage on ``target_threads`` torch threads (``pipeline.target_threads``)."""
         c = self.components
-        settings = PipelineSettings(**{**asdict(self.settings), "epochs": self.epochs_for(steps)})
-        return TrainingPipeline(data=c.data, plans=c.plans, extract=extract or c.extractor,
+        settings = PipelineSettings(**{**asdict(self.settings), "epochs": self.epochs_for(steps),
+                                       "target_threads": target_threads})
+        return TrainingPipeline(data=c.data, plans=c.plans, extract=c.extractor,
                                 drafter_step=c.drafter_step, dist=c.dist, settings=settings)
 
 
@@ -151,25 +150,6 @@ class _StageTimer:
         return dict(self.seconds)
 
 
-class _WithThreads:
-    """The feature function, setting torch intra-op threads of the calling thread first.
-
-    ``torch.set_num_threads`` is per thread once a thread ran a parallel op, so the target
-    thread sets its own count here, on its first call.
-    """
-
-    def __init__(self, fn: FeatureFn, threads: int | None) -> None:
-        self.fn = fn
-        self.threads = threads
-        self._local = threading.local()
-
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> TargetOutputs:
-        if self.threads and not getattr(self._local, "set", False):
-            torch.set_num_threads(self.threads)
-            self._local.set = True
-        return self.fn(input_ids, attention_mask)
-
-
 def run_pipelined(parts: Parts, *, steps: int, warmup: int, target_threads: int | None = None,
                   drafter_threads: int | None = None) -> RunResult:
     """The trainer's pipeline: prefetch workers -> target stage thread -> the drafter step on
@@ -179,7 +159,7 @@ def run_pipelined(parts: Parts, *, steps: int, warmup: int, target_threads: int 
         torch.set_num_threads(drafter_threads)
     drafter_step = parts.drafter_step
     start_step = drafter_step.optimizer_step
-    pipe = parts.pipeline(steps + warmup, _WithThreads(parts.components.extractor, target_threads))
+    pipe = parts.pipeline(steps + warmup, target_threads)
     tokens = 0
     try:
         with pipe:

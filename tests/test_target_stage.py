@@ -69,3 +69,30 @@ def test_outputs_match_the_extractor_in_order_and_count_tokens(labels):
     assert metrics["pipe/target/forward_s"] > 0
     assert 0 < metrics["pipe/target/busy_frac"] <= 1
     extractor.close()
+
+
+def test_threads_set_the_stage_threads_count_and_leave_the_callers():
+    """pipeline.target_threads: the forward runs with the stage's own torch thread count."""
+    seen: list[int] = []
+    target = tiny_target()
+    extractor = FeatureExtractor(target, [1, 2])
+
+    def extract(input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        seen.append(torch.get_num_threads())
+        return extractor(input_ids, attention_mask)
+
+    before = torch.get_num_threads()
+    stage_threads = 3 if before != 3 else 2
+    stop = threading.Event()
+    inputs, outputs = Channel("batches", 2, stop), Channel("features", 1, stop)
+    stage = TargetStage(extract=extract, inputs=inputs, output=outputs, device=CPU, stop=stop,
+                        threads=stage_threads)
+    with Supervisor(stop) as sup:
+        sup.add(stage)
+        sup.start()
+        inputs.put(batch(0, rows=2, width=8))
+        inputs.finish()
+        got = list(sup.iterate(outputs))
+    assert len(got) == 1 and seen == [stage_threads]
+    assert torch.get_num_threads() == before
+    extractor.close()

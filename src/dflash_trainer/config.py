@@ -292,6 +292,10 @@ class PipelineConfig:
     num_threads: int | None = ranged(None, ge=1, le=1024, none="for the default")
     """torch intra-op threads; default half the cores on CPU (the target stage and the drafter
     loop run at the same time), torch's own choice on GPU."""
+    target_threads: int | None = ranged(None, ge=1, le=1024, none="for pipeline.num_threads")
+    """torch intra-op threads of the target stage's thread alone, for a CPU where the target's
+    forward bounds the step (the drafter waits for features: ``perf/data_wait_frac``); see
+    docs/performance.md."""
 
 
 @dataclass(kw_only=True)

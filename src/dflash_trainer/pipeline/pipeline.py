@@ -50,6 +50,7 @@ class PipelineSettings:
     epochs: int
     log_every_steps: int = 1
     log_every_s: float | None = None
+    target_threads: int | None = None
 
     @classmethod
     def from_config(cls, cfg: Config, *, block_size: int) -> PipelineSettings:
@@ -59,7 +60,8 @@ class PipelineSettings:
                    feature_queue_size=cfg.pipeline.feature_queue_size,
                    num_anchors=cfg.training.num_anchors, block_size=block_size,
                    seed=cfg.training.seed, epochs=cfg.training.epochs,
-                   log_every_steps=cfg.logging.every_steps, log_every_s=cfg.logging.every_s)
+                   log_every_steps=cfg.logging.every_steps, log_every_s=cfg.logging.every_s,
+                   target_threads=cfg.pipeline.target_threads)
 
 
 class TrainingPipeline:
@@ -88,7 +90,7 @@ class TrainingPipeline:
             outputs=[self.batches], stop=self.stop)
         self.target_stage = TargetStage(extract=extract, inputs=self.batches,
                                         output=self.features, device=dist.device,
-                                        stop=self.stop)
+                                        stop=self.stop, threads=settings.target_threads)
         self.supervisor = Supervisor(self.stop)
         self.supervisor.add(self.prefetcher)
         self.supervisor.add(self.target_stage)

@@ -25,15 +25,21 @@ FeatureFn = Callable[[torch.Tensor, torch.Tensor], TargetOutputs]
 
 
 class TargetStage(Stage):
-    """Moves each batch to the device and runs the target's feature extraction."""
+    """Moves each batch to the device and runs the target's feature extraction.
+
+    ``threads`` sets the torch intra-op threads of the stage's own thread (unset: the count
+    the thread inherits, ``pipeline.num_threads``).
+    """
 
     def __init__(self, *, extract: FeatureFn, inputs: Channel, output: Channel,
-                 device: torch.device, stop: threading.Event, name: str = "target") -> None:
+                 device: torch.device, stop: threading.Event, name: str = "target",
+                 threads: int | None = None) -> None:
         super().__init__(name, stop=stop, outputs=[output])
         self.extract = extract
         self.inputs = inputs
         self.output = output
         self.device = device
+        self.threads = threads
         self._tokens = 0
         self._forward_s = 0.0
         self._lock = threading.Lock()
@@ -41,6 +47,9 @@ class TargetStage(Stage):
     def run(self) -> None:
         """Consume batches until end-of-stream."""
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if self.threads is not None:
+            # Per thread once set here: the drafter loop's thread keeps its own count.
+            torch.set_num_threads(self.threads)
         for batch in self.inputs:
             with self.busy():
                 start = time.perf_counter()
