@@ -1,4 +1,4 @@
-"""Command line: ``dflash-trainer {prepare,train,eval,export,regenerate,demo,report,generate} [options]``.
+"""Command line: ``dflash-trainer {prepare,features,train,eval,export,regenerate,demo,report,generate} [options]``.
 
 Every command takes ``--config FILE`` and dotted overrides (``training.lr=3e-4``). Command
 flags such as ``--target`` are shorthands for config keys. Handlers are imported lazily so
@@ -60,11 +60,17 @@ COMMANDS: dict[str, Command] = {
         help="Tokenize the chat data into the memory-mapped cache and print statistics.",
         flags={"--target": "model.target", "--data": "data.paths"},
     ),
+    "features": Command(
+        handler="dflash_trainer.features.build:main",
+        help="Compute the target's features of every training sample once, into a feature store "
+             "that train reads with features.store=FOLDER; resumable, torchrun-launchable.",
+        flags={"--target": "model.target", "--data": "data.paths", "--out": "features.store"},
+    ),
     "train": Command(
         handler="dflash_trainer.train:main",
         help="Train a drafter (the full pipeline); torchrun-launchable.",
         flags={"--target": "model.target", "--data": "data.paths", "--run-dir": "run_dir",
-               "--resume": "checkpoint.resume"},
+               "--resume": "checkpoint.resume", "--features": "features.store"},
         extra=[("--overwrite", {"action": "store_true",
                                 "help": "start over in a run folder that holds an earlier run: "
                                         "delete its checkpoints, metrics, drafter and report "
@@ -251,6 +257,8 @@ def output_folder(command: str, cfg: Config, args: argparse.Namespace) -> str:
         return str(args.out)
     if command == "report":
         return str(args.run)
+    if command == "features":
+        return str(cfg.features.store)
     return str(cfg.run_dir)
 
 

@@ -27,15 +27,17 @@ from dflash_trainer.dtypes import config_dtype
 from dflash_trainer.errors import ConfigError, DataError
 from dflash_trainer.flops import StepShape, layer_dims, step_flops
 from dflash_trainer.model.batch import Batch
-from dflash_trainer.model.drafter import build_drafter, initialise_drafter, text_config
+from dflash_trainer.features.store import FeatureStore
+from dflash_trainer.model.drafter import build_drafter, initialise_drafter, tapped_layer_ids, text_config
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
 from dflash_trainer.model.objective import DFlashObjective
-from dflash_trainer.model.target import FeatureExtractor, load_target, resolve_mask_token_id
+from dflash_trainer.model.target import (FeatureExtractor, input_embedding_weight, lm_head_weight, load_target,
+                                         resolve_mask_token_id)
 from dflash_trainer.optim import LRSchedule, build_optimizer
 from dflash_trainer.pipeline.drafter_step import DrafterStep
 
 __all__ = ["PEAK_BF16_FLOPS", "Components", "DrafterSide", "EpochPlans", "TrainingData", "build",
-           "build_drafter_step", "peak_flops", "run_mask_token_id"]
+           "build_drafter_step", "load_training_data", "peak_flops", "run_mask_token_id"]
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +126,10 @@ class Components:
     plans: EpochPlans
     drafter: DFlashDraftModel
     """The plain drafter module (inside the objective, which DDP/FSDP wrap)."""
-    extractor: FeatureExtractor
+    extractor: FeatureExtractor | None
+    """The target's feature hooks (None when the features come from ``store``)."""
+    store: FeatureStore | None
+    """The feature store the run reads instead of running the target (``features.store``)."""
     objective: nn.Module
     drafter_step: DrafterStep
     total_steps: int
@@ -138,11 +143,15 @@ class Components:
         return self.dist.device
 
     def close(self) -> None:
-        """Remove the feature hooks from the target (idempotent)."""
-        self.extractor.close()
+        """Remove the feature hooks from the target, close the store's files (idempotent)."""
+        if self.extractor is not None:
+            self.extractor.close()
+        if self.store is not None:
+            self.store.close()
 
 
-def _load_data(cfg: Config, dist: DistInfo, tokenizer: Any) -> tuple[TrainingData, Any]:
+def load_training_data(cfg: Config, dist: DistInfo, tokenizer: Any) -> tuple[TrainingData, Any]:
+    """The prepared token store of ``cfg`` (rank 0 builds it, the others wait) and its statistics."""
     from dflash_trainer.data.prepare import build_dataset
 
     # Rank 0 tokenizes; the others then find the finished cache instead of racing to write it.
@@ -173,12 +182,13 @@ def run_mask_token_id(cfg: Config, tokenizer: Any, embed_rows: int, data: Traini
 
 
 def _flops_fn(cfg: Config, target: nn.Module, drafter: DFlashDraftModel,
-              vocab: int) -> Callable[[Batch], float]:
+              vocab: int, *, runs_target: bool) -> Callable[[Batch], float]:
     target_dims = layer_dims(text_config(target.config))
     drafter_dims = layer_dims(drafter.config)
     layer_ids = drafter.target_layer_ids
-    needs_final = cfg.training.labels != "data"
-    target_layers_run = (target.config.num_hidden_layers if needs_final else max(layer_ids) + 1)
+    needs_final = cfg.training.labels != "data" and runs_target
+    target_layers_run = (0 if not runs_target else
+                         target.config.num_hidden_layers if needs_final else max(layer_ids) + 1)
 
     def batch_flops(batch: Batch) -> float:
         """Model FLOPs of one micro-batch from its host-side shapes (no device sync)."""
@@ -203,31 +213,37 @@ class DrafterSide:
     target: nn.Module
     """The target as the run uses it (FSDP-sharded when ``distributed.target=fsdp``)."""
     drafter: DFlashDraftModel
-    extractor: FeatureExtractor
+    extractor: FeatureExtractor | None
+    """None for ``runs_target=False``."""
     objective: nn.Module
     drafter_step: DrafterStep
 
 
 def build_drafter_step(cfg: Config, dist: DistInfo, target: nn.Module, *, mask_token_id: int,
-                       tokenizer: Any, total_steps: int, compute_dtype: torch.dtype) -> DrafterSide:
+                       tokenizer: Any, total_steps: int, compute_dtype: torch.dtype,
+                       runs_target: bool = True) -> DrafterSide:
     """The trainer's drafter side on ``target``: drafter (built, initialised by
     ``model.drafter_init``, on the device) -> feature extractor -> objective -> optimizer and an
     LR schedule of ``total_steps`` -> :class:`DrafterStep`.
 
     Draws the drafter's initialisation from the global torch RNG: seed it first, as
     :func:`build` does. The caller closes the extractor (its hooks stay on the target).
+    ``runs_target=False`` (features from a store): no extractor, no sharding of the target,
+    whose embedding and LM head alone the objective reads.
     """
     device = dist.device
     # With the tokenizer, the drafter's config (and every export of it) records its fingerprint.
     drafter = build_drafter(cfg.model, target.config, mask_token_id=mask_token_id, tokenizer=tokenizer)
     initialise_drafter(drafter, target, cfg.model, tokenizer=tokenizer)
     drafter = drafter.to(device)
-    # Sharded before the feature hooks are added, so FSDP's hooks run first.
-    target = wrap_target(target, dist, cfg.distributed)
-    extractor = FeatureExtractor(target, drafter.target_layer_ids, labels=cfg.training.labels,
-                                 label_chunk_size=cfg.training.loss_chunk_size)
+    extractor = None
+    if runs_target:
+        # Sharded before the feature hooks are added, so FSDP's hooks run first.
+        target = wrap_target(target, dist, cfg.distributed)
+        extractor = FeatureExtractor(target, drafter.target_layer_ids, labels=cfg.training.labels,
+                                     label_chunk_size=cfg.training.loss_chunk_size)
     objective = wrap_drafter(
-        DFlashObjective.from_config(drafter, extractor.embed_weight, extractor.head_weight, cfg),
+        DFlashObjective.from_config(drafter, input_embedding_weight(target), lm_head_weight(target), cfg),
         dist, cfg.distributed)
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, cfg.training)
@@ -236,10 +252,38 @@ def build_drafter_step(cfg: Config, dist: DistInfo, target: nn.Module, *, mask_t
         objective=objective, parameters=params, optimizer=optimizer, schedule=schedule,
         cfg=cfg.training, dist_info=dist, block_size=drafter.block_size,
         autocast_dtype=torch.bfloat16 if compute_dtype == torch.bfloat16 else None,
-        flops_fn=_flops_fn(cfg, target, drafter, extractor.head_weight.shape[0]),
+        flops_fn=_flops_fn(cfg, target, drafter, lm_head_weight(target).shape[0], runs_target=runs_target),
         peak_flops=peak_flops(device))
     return DrafterSide(target=target, drafter=drafter, extractor=extractor, objective=objective,
                        drafter_step=drafter_step)
+
+
+def _load_target_parts(cfg: Config, folder: str, device: torch.device,
+                       dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    """The target's embedding, final norm, LM head and the layers the drafter's init copies."""
+    from transformers import AutoConfig
+
+    from dflash_trainer.features.target_parts import init_layers, load_target_parts
+
+    config = text_config(AutoConfig.from_pretrained(folder))
+    num_layers = int(config.num_hidden_layers)
+    layers = init_layers(cfg.model, num_layers, tapped_layer_ids(cfg.model, num_layers))
+    return load_target_parts(folder, device=device, dtype=dtype, layers=layers)
+
+
+def _open_store(cfg: Config, *, target: nn.Module, tokenizer: Any, data: TrainingData,
+                dtype: torch.dtype) -> FeatureStore:
+    """``features.store``, checked against what this run would compute with the target."""
+    from dflash_trainer.features.build import expected_manifest
+    from dflash_trainer.features.target_parts import weights_hash
+
+    expected = expected_manifest(cfg, target=target, tokenizer=tokenizer, data=data,
+                                 weights=weights_hash(assets.resolve_target(cfg.model.target)),
+                                 target_dtype=dtype)
+    store = FeatureStore.open(cfg.features.store, expected=expected, dtype=dtype)
+    log.info("training from the feature store %s (%d shards, %s)", cfg.features.store,
+             store.manifest.num_shards, store.manifest.storage_dtype)
+    return store
 
 
 def build(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None, tokenizer: Any = None,
@@ -255,13 +299,18 @@ def build(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None, token
     # Before the seed: the CPU dtype probe (first run on a machine) draws random numbers.
     dtype = config_dtype(cfg.model, device) if target is None else next(target.parameters()).dtype
     torch.manual_seed(cfg.training.seed)
+    from_store = cfg.features.store is not None
     if target is None:
-        target, tokenizer = load_target(
-            str(assets.resolve_target(cfg.model.target)),
-            device=target_load_device(dist, cfg.distributed), dtype=dtype)
+        folder = str(assets.resolve_target(cfg.model.target))
+        if from_store:
+            target, tokenizer = _load_target_parts(cfg, folder, dist.device, dtype)
+        else:
+            target, tokenizer = load_target(folder, device=target_load_device(dist, cfg.distributed),
+                                            dtype=dtype)
     data_stats = None
     if data is None:
-        data, data_stats = _load_data(cfg, dist, tokenizer)
+        data, data_stats = load_training_data(cfg, dist, tokenizer)
+    store = _open_store(cfg, target=target, tokenizer=tokenizer, data=data, dtype=dtype) if from_store else None
     embed_rows = target.get_input_embeddings().weight.shape[0]
     mask_id = run_mask_token_id(cfg, tokenizer, embed_rows, data)
     # The plans use their own seeded generators: building them here draws nothing from the
@@ -272,9 +321,9 @@ def build(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None, token
     if cfg.training.max_steps is not None:
         total_steps = min(total_steps, cfg.training.max_steps)
     side = build_drafter_step(cfg, dist, target, mask_token_id=mask_id, tokenizer=tokenizer,
-                              total_steps=total_steps, compute_dtype=dtype)
+                              total_steps=total_steps, compute_dtype=dtype, runs_target=not from_store)
     return Components(cfg=cfg, dist=dist, target=side.target, tokenizer=tokenizer, data=data,
                       data_stats=data_stats, plans=plans, drafter=side.drafter,
-                      extractor=side.extractor, objective=side.objective,
+                      extractor=side.extractor, store=store, objective=side.objective,
                       drafter_step=side.drafter_step, total_steps=total_steps,
                       compute_dtype=dtype)

@@ -371,6 +371,20 @@ class DistributedConfig:
 
 
 @dataclass(kw_only=True)
+class FeaturesConfig:
+    """The feature store: the target's features computed once (``dflash-trainer features``) and
+    read by ``train`` instead of running the target (docs/features.md)."""
+
+    store: str | None = None
+    """Feature store folder: ``features`` writes it, ``train`` reads it instead of running the
+    target (None: ``train`` runs the target)."""
+    dtype: Literal["bfloat16", "float32", "float8_e4m3fn"] = "bfloat16"
+    """How ``features`` stores hidden states (float8 halves the store again, with a per-token scale)."""
+    shard_mb: float = ranged(1024.0, gt=0, le=1 << 20)
+    """Target size of one shard file of ``features`` in MiB."""
+
+
+@dataclass(kw_only=True)
 class Config:
     """The root run configuration."""
 
@@ -383,6 +397,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    features: FeaturesConfig = field(default_factory=FeaturesConfig)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -464,6 +479,9 @@ def validate(cfg: Config) -> None:
         (cfg.training.loss_slots is None or cfg.training.loss_slots < cfg.model.block_size,
          f"training.loss_slots must be between 1 and model.block_size - 1 ({cfg.model.block_size - 1}), "
          f"got {cfg.training.loss_slots}"),
+        (cfg.features.store is None or cfg.eval.every_steps is None,
+         "eval.every_steps needs the whole target, which training from features.store does not load; "
+         "unset eval.every_steps and run dflash-trainer eval on the exported drafter"),
         (cfg.pipeline.tokens_per_batch >= cfg.data.max_length,
          f"pipeline.tokens_per_batch ({cfg.pipeline.tokens_per_batch}) must be >= "
          f"data.max_length ({cfg.data.max_length}) so the longest sample fits a batch"),

@@ -275,7 +275,7 @@ class Trainer:
                     cfg, target=self.target, tokenizer=self.parts.tokenizer)
             self.pipeline = TrainingPipeline(
                 data=self.parts.data, plans=self.parts.plans, extract=self.parts.extractor,
-                drafter_step=self.drafter_step, dist=self.dist,
+                store=self.parts.store, drafter_step=self.drafter_step, dist=self.dist,
                 settings=PipelineSettings.from_config(cfg, block_size=self.drafter.block_size),
                 trackers=self.trackers)
             if resume is not None:

@@ -23,13 +23,15 @@ from typing import Any
 
 from dflash_trainer.config import Config
 from dflash_trainer.data.buckets import Plan
+from dflash_trainer.features.store import FeatureStore
 from dflash_trainer.distributed import DistInfo, gather_objects
 from dflash_trainer.model.batch import Batch, StepInput
 from dflash_trainer.pipeline.channel import Channel
 from dflash_trainer.pipeline.drafter_step import DrafterStep
 from dflash_trainer.pipeline.monitor import Monitor
 from dflash_trainer.pipeline.prefetch import BatchPrefetcher, PrefetchOptions, TokenDataset
-from dflash_trainer.pipeline.stage import Supervisor
+from dflash_trainer.pipeline.stage import Stage, Supervisor
+from dflash_trainer.pipeline.store_stage import StoreReaderStage
 from dflash_trainer.pipeline.target_stage import FeatureFn, TargetStage
 from dflash_trainer.trackers import StepValues, Tracker
 
@@ -51,6 +53,8 @@ class PipelineSettings:
     log_every_steps: int = 1
     log_every_s: float | None = None
     target_threads: int | None = None
+    labels: str = "data"
+    """``training.labels``: what a feature store reader hands the objective besides features."""
 
     @classmethod
     def from_config(cls, cfg: Config, *, block_size: int) -> PipelineSettings:
@@ -61,7 +65,7 @@ class PipelineSettings:
                    num_anchors=cfg.training.num_anchors, block_size=block_size,
                    seed=cfg.training.seed, epochs=cfg.training.epochs,
                    log_every_steps=cfg.logging.every_steps, log_every_s=cfg.logging.every_s,
-                   target_threads=cfg.pipeline.target_threads)
+                   target_threads=cfg.pipeline.target_threads, labels=cfg.training.labels)
 
 
 class TrainingPipeline:
@@ -74,8 +78,9 @@ class TrainingPipeline:
     methods run on the caller's thread.
     """
 
-    def __init__(self, *, data: TokenDataset, plans: Callable[[int], Plan], extract: FeatureFn,
+    def __init__(self, *, data: TokenDataset, plans: Callable[[int], Plan], extract: FeatureFn | None,
                  drafter_step: DrafterStep, dist: DistInfo, settings: PipelineSettings,
+                 store: FeatureStore | None = None,
                  trackers: Tracker | None = None) -> None:
         self.drafter_step = drafter_step
         self.stop = threading.Event()
@@ -88,16 +93,22 @@ class TrainingPipeline:
                 seed=settings.seed, epochs=settings.epochs,
                 pin_memory=dist.device.type == "cuda"),
             outputs=[self.batches], stop=self.stop)
-        self.target_stage = TargetStage(extract=extract, inputs=self.batches,
-                                        output=self.features, device=dist.device,
-                                        stop=self.stop, threads=settings.target_threads)
+        self.target_stage: Stage
+        if store is not None:
+            self.target_stage = StoreReaderStage(store=store, labels=settings.labels, inputs=self.batches,
+                                                 output=self.features, device=dist.device, stop=self.stop)
+        else:
+            assert extract is not None, "a pipeline needs the target's extractor or a feature store"
+            self.target_stage = TargetStage(extract=extract, inputs=self.batches,
+                                            output=self.features, device=dist.device,
+                                            stop=self.stop, threads=settings.target_threads)
         self.supervisor = Supervisor(self.stop)
         self.supervisor.add(self.prefetcher)
         self.supervisor.add(self.target_stage)
         self.step_buckets = StepValues(trackers or Tracker(), "data/step_buckets")
         gather = (lambda window: gather_objects(window, dist)) if dist.enabled else None
         self.monitor = Monitor(
-            {"prefetch": self.prefetcher, "target": self.target_stage, "train": drafter_step},
+            {"prefetch": self.prefetcher, self.target_stage.name: self.target_stage, "train": drafter_step},
             {"batches": self.batches, "features": self.features}, self.step_buckets,
             every_steps=settings.log_every_steps, every_s=settings.log_every_s, gather=gather)
 
