@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -126,7 +127,7 @@ def union(items: list[StepInput]) -> StepInput:
         return torch.cat([getattr(b, name) for b in batches])
 
     batch = dataclasses.replace(
-        batches[0], **{name: cat(name) for name in Batch._TENSORS},
+        batches[0], **{name: cat(name) for name in Batch.TENSORS},
         sample_ids=np.concatenate([b.sample_ids for b in batches]),
         num_tokens=sum(b.num_tokens for b in batches))
     features = torch.cat([i.target.features for i in items])
@@ -653,3 +654,42 @@ def test_fsdp_drafter_and_sharded_target_train_like_ddp(ddp_run, assets_dir):
     shards = sorted(p.name for p in (run / "checkpoints" / "step-6" / "train").glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"]
     assert (run / "drafter" / "model.safetensors").is_file()
+
+
+# -- a sharded target's stop: every rank runs the same target forwards ----------------------------
+
+STOP_TIMEOUT_S = 40
+"""distributed.timeout_s of the early-stop runs: a rank left in a target collective would
+fail only after this long; each rank must close well before."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment, extra", [
+    ("sigterm", ()), ("max_time_s", ("training.max_time_s=0.001",)),
+    ("max_steps", ("training.max_steps=2",)), ("leftover", ("training.grad_accum=3",))])
+def test_sharded_target_stops_early_on_one_rank_without_waiting_for_a_timeout(
+        assets_dir, tmp_path, moment, extra):
+    """distributed.target=fsdp, a slow target and rank 1 leaving its pipeline 2 s after rank 0
+    (tests/helpers_dist_stop.py): rank 0's target stage stops first, at each moment a stop
+    comes from; without the stages' agreement rank 1's would start a forward whose
+    all-gathers rank 0 never joins, and wait there for distributed.timeout_s."""
+    run_dir = tmp_path / "run"
+    script = Path(__file__).resolve().parent / "helpers_dist_stop.py"
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node",
+           str(WORLD), str(script), moment,
+           *overrides(assets_dir, run_dir, "distributed.target=fsdp",
+                      f"distributed.timeout_s={STOP_TIMEOUT_S}", *extra)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+    log = tmp_path / "torchrun.log"
+    code = run_with_deadline(cmd, env, log, timeout_s=LAUNCH_TIMEOUT_S)
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-6000:]
+    assert "still running after close" not in text, text[-6000:]
+    closed = [float(s) for s in re.findall(r"closed ([\d.]+) s after its pipeline", text)]
+    assert len(closed) == WORLD and max(closed) < STOP_TIMEOUT_S / 2, closed
+    steps = [r["step"] for r in records(run_dir)]
+    stopped = {"sigterm": "stopped by signal SIGTERM", "max_time_s": "training max_time_s after",
+               "max_steps": "training completed after 2 steps",
+               "leftover": "training completed after 2 steps"}[moment]
+    assert stopped in text, text[-6000:]
+    assert steps == list(range(1, steps[-1] + 1)) and steps[-1] < 8, steps

@@ -9,7 +9,9 @@ here:
 - target: replicated (default) or FSDP2 ``fully_shard`` per decoder layer, forward-only, on a
   process group of its own, because its collectives come from the target-stage thread while
   the main thread runs the drafter's; two threads on one group could interleave their
-  collectives differently on different ranks and deadlock.
+  collectives differently on different ranks and deadlock. The target stages of all ranks
+  agree before each forward whether one of them stops (:class:`StopAgreement`), so every
+  rank issues the same forwards' collectives.
 
 Checkpoints hold the training state as ``torch.distributed.checkpoint`` shards
 (:func:`training_state`, :func:`apply_training_state`): each rank writes and reads only its
@@ -33,12 +35,12 @@ from torch import nn
 
 from dflash_trainer.config import DistributedConfig, PipelineConfig
 
-__all__ = ["CollectiveTimer", "DistInfo", "all_reduce_sum", "apply_training_state",
+__all__ = ["CollectiveTimer", "DistInfo", "StopAgreement", "all_reduce_sum", "apply_training_state",
            "check_distributed_options", "checkpoint_group", "close_distributed",
            "full_model_state", "gather_objects", "gradient_sync", "init_distributed", "is_dtensor",
            "is_sharded",
-           "replicated_value", "resolve_device", "target_load_device", "training_state",
-           "wrap_drafter", "wrap_target"]
+           "replicated_value", "resolve_device", "target_load_device", "target_stop_agreement",
+           "training_state", "wrap_drafter", "wrap_target"]
 
 
 @dataclass(kw_only=True)
@@ -219,6 +221,41 @@ def wrap_target(model: nn.Module, info: DistInfo, cfg: DistributedConfig) -> nn.
             if tensor is not None and not is_dtensor(tensor) and tensor.device != info.device:
                 tensor.data = tensor.data.to(info.device)
     return model
+
+
+class StopAgreement:
+    """The target stages of all ranks agree, before each forward, whether any of them stops.
+
+    A sharded target all-gathers every layer in its forward, so each rank must run the same
+    forwards: a rank that starts one more than its peers waits in an all-gather they never
+    enter, until ``distributed.timeout_s``. Each rank's stage ends on its own moment (its
+    pipeline stops after the last step, a signal, ``max_time_s``, ``max_steps`` or a step's
+    leftover accumulation micro-batches; the main threads agree on the step, not on when
+    their stage threads see the stop), so no budget of forwards is known ahead: the stages
+    agree on each one. One all-reduce (MAX) of a one-element CPU tensor on a gloo group of
+    their own: a host round trip (about 0.1 ms between 2 local CPU ranks, see
+    docs/distributed.md), no device sync, so the target stream's queue never drains for it.
+    Only the target-stage thread uses the group: its order is that thread's order.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def any_stops(self, stop: bool) -> bool:
+        """Whether any rank passed ``stop=True`` in this round (every rank must call it)."""
+        flag = torch.tensor([int(stop)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+
+def target_stop_agreement(info: DistInfo, cfg: DistributedConfig) -> StopAgreement | None:
+    """The :class:`StopAgreement` of a sharded target (None: replicated or one process).
+
+    Creates a process group: every rank must call it at the same point.
+    """
+    if not info.enabled or cfg.target != "fsdp":
+        return None
+    return StopAgreement(dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s)))
 
 
 # -- state -------------------------------------------------------------------------------

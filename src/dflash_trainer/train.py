@@ -34,7 +34,8 @@ from dflash_trainer.data.buckets import Plan, build_plan
 from dflash_trainer.data.resize import Resize, ResizedPlans
 from dflash_trainer.distributed import (
     DistInfo, apply_training_state, check_distributed_options, checkpoint_group,
-    close_distributed, full_model_state, init_distributed, is_dtensor, is_sharded, training_state)
+    close_distributed, full_model_state, init_distributed, is_dtensor, is_sharded,
+    target_stop_agreement, training_state)
 from dflash_trainer.errors import ConfigError, UserError
 from dflash_trainer.fsutil import disk_error, step_of
 from dflash_trainer.locks import FolderLock, run_folder_lock
@@ -224,6 +225,8 @@ class Trainer:
                                   in_training_eval=bool(cfg.eval.every_steps))
         self.checkpoint_group = checkpoint_group(self.dist, cfg.distributed)
         """The checkpoint writer threads' process group (None in a single process)."""
+        self.target_agreement = target_stop_agreement(self.dist, cfg.distributed)
+        """The target stages' stop agreement (a sharded target only; see the pipeline)."""
         if cfg.pipeline.num_threads:
             torch.set_num_threads(cfg.pipeline.num_threads)
         elif self.dist.device.type == "cpu":
@@ -277,7 +280,7 @@ class Trainer:
                 data=self.parts.data, plans=self.parts.plans, extract=self.parts.extractor,
                 store=self.parts.store, drafter_step=self.drafter_step, dist=self.dist,
                 settings=PipelineSettings.from_config(cfg, block_size=self.drafter.block_size),
-                trackers=self.trackers)
+                trackers=self.trackers, stop_agreement=self.target_agreement)
             if resume is not None:
                 # Last, so that nothing built after it draws from the restored RNG streams.
                 self.load_state_dict(resume)
@@ -653,6 +656,10 @@ class Trainer:
                   f"{cfg.training.epochs} epoch(s) / grad_accum {cfg.training.grad_accum}), "
                   f"{len(self.parts.data)} samples, device {self.device}, run dir "
                   f"{self.run_dir}", flush=True)
+            objective = getattr(self.parts.objective, "module", self.parts.objective)  # DDP
+            if objective.rounds_shapes(self.device):
+                print(f"drafter attention shapes (pipeline.round_shapes): "
+                      f"{objective.shape_sizes.describe()}", flush=True)
         clock = RunClock(start=time.monotonic())
         self.trackers.training_started()
         stopped_by: str | None = None

@@ -8,13 +8,29 @@ that carries it."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from dflash_trainer.model.target import TargetOutputs
+
+
+def tensor_fields(cls: type) -> tuple[str, ...]:
+    """Names of the fields of dataclass ``cls`` annotated as a tensor (optional or not).
+
+    Derived from the annotations, so a tensor field added to :class:`Batch` or
+    :class:`~dflash_trainer.model.target.TargetOutputs` is moved to the device and kept alive
+    across streams without being listed anywhere else.
+    """
+    hints = typing.get_type_hints(cls)
+
+    def holds_tensor(hint: Any) -> bool:
+        return hint is torch.Tensor or torch.Tensor in typing.get_args(hint)
+
+    return tuple(f.name for f in dataclasses.fields(cls) if holds_tensor(hints[f.name]))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,18 +65,19 @@ class Batch:
     num_tokens: int
     """Real tokens in the batch."""
 
-    _TENSORS = ("input_ids", "loss_mask", "attention_mask", "seq_lens", "anchors", "keep")
+    TENSORS: ClassVar[tuple[str, ...]]
+    """The tensor fields (:func:`tensor_fields`): what :meth:`to` moves and pins."""
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         """The batch with its tensors on ``device`` (``non_blocking`` needs pinned memory)."""
         moved = {name: getattr(self, name).to(device, non_blocking=non_blocking)
-                 for name in self._TENSORS}
+                 for name in self.TENSORS}
         return dataclasses.replace(self, **moved)
 
     def pin_memory(self) -> Batch:
         """The batch with its tensors in page-locked memory, for asynchronous H2D copies."""
         return dataclasses.replace(self, **{name: getattr(self, name).pin_memory()
-                                            for name in self._TENSORS})
+                                            for name in self.TENSORS})
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -82,6 +99,10 @@ class Batch:
                    num_tokens=int(seq_lens.sum()))
 
 
+Batch.TENSORS = tensor_fields(Batch)
+_TARGET_TENSORS = tensor_fields(TargetOutputs)
+
+
 @dataclass(frozen=True, kw_only=True)
 class StepInput:
     """What the target stage hands the drafter step: the batch (on the device) and the
@@ -93,6 +114,13 @@ class StepInput:
     """A CUDA event recorded on the target stream after ``target`` was written (None on CPU)."""
 
     def tensors(self) -> list[torch.Tensor]:
-        """The target's tensors, for ``record_stream`` on the consuming stream."""
-        t = self.target
-        return [x for x in (t.features, t.target_labels, t.final_hidden) if x is not None]
+        """Every tensor this input holds: the batch's and the target's (those set).
+
+        The target stage writes all of them on its own CUDA stream (the batch's by its copy
+        to the device, the target's by the forward) and the drafter step reads them on
+        another; each needs ``record_stream`` there, or the caching allocator may hand a
+        block still read by step N to the copy of batch N + 1.
+        """
+        values = [getattr(self.batch, name) for name in Batch.TENSORS]
+        values += [getattr(self.target, name) for name in _TARGET_TENSORS]
+        return [x for x in values if x is not None]

@@ -25,6 +25,7 @@ from dflash_trainer.model.blocks import (build_block_inputs, dense_block_mask, f
 from dflash_trainer.model.loss import LossSums, dflash_loss, slot_rows
 from dflash_trainer.model.modeling.dflash import BlockLayout, DFlashDraftModel
 from dflash_trainer.model.selector import selector_terms
+from dflash_trainer.model.shapes import ShapeSizes, pad_blocks, shape_sizes
 from dflash_trainer.model.target import TargetOutputs
 
 __all__ = ["DFlashObjective", "noise_scale"]
@@ -44,6 +45,11 @@ class DFlashObjective(nn.Module):
     so they are shared with the target, never copied, and stay out of ``state_dict()`` and
     out of DDP/FSDP parameter sets. For DDP, wrap the objective itself (its only parameters
     are the drafter's), so ``self.drafter`` stays the plain module.
+
+    ``shape_sizes`` pads the drafter's context width and anchor count up to a fixed set of
+    sizes (:mod:`dflash_trainer.model.shapes`) when ``round_shapes`` is ``on``, or ``auto``
+    and the attention is FlexAttention (compiled, so specialised on shapes); the loss is the
+    same either way.
     """
 
     def __init__(self, drafter: DFlashDraftModel, embed_weight: torch.Tensor, head_weight: torch.Tensor, *,
@@ -51,7 +57,9 @@ class DFlashObjective(nn.Module):
                  labels: Literal["data", "target_greedy", "kl"] = "data",
                  attention: Literal["auto", "sdpa", "blockwise", "flex"] = "auto",
                  noise_std: float = 0.0, noise_warmup_steps: int = 0, selector_weight: float = 1.0,
-                 selector_missing: Literal["exclude", "insert"] = "exclude") -> None:
+                 selector_missing: Literal["exclude", "insert"] = "exclude",
+                 shape_sizes: ShapeSizes | None = None,
+                 round_shapes: Literal["auto", "on", "off"] = "auto") -> None:
         super().__init__()
         if embed_weight.requires_grad or head_weight.requires_grad:
             raise ValueError("the target embedding and LM head must be frozen (requires_grad=False)")
@@ -73,6 +81,8 @@ class DFlashObjective(nn.Module):
         self.noise_warmup_steps = noise_warmup_steps
         self.selector_weight = selector_weight
         self.selector_missing = selector_missing
+        self.shape_sizes = shape_sizes
+        self.round_shapes = round_shapes
         selector = getattr(drafter, "candidate_selector", None)
         if selector is not None and selector_weight == 0:
             # Untrained, so not an optimizer (or DDP) parameter: DDP refuses parameters
@@ -90,7 +100,11 @@ class DFlashObjective(nn.Module):
                    labels=t.labels, attention=cfg.model.attention, noise_std=t.noise_std,
                    noise_warmup_steps=t.noise_warmup_steps,
                    selector_weight=1.0 if t.selector_weight is None else t.selector_weight,
-                   selector_missing=t.selector_missing or "exclude")
+                   selector_missing=t.selector_missing or "exclude",
+                   shape_sizes=shape_sizes(max_width=cfg.data.max_length,
+                                           num_anchors=t.num_anchors,
+                                           block_size=drafter.block_size),
+                   round_shapes=cfg.pipeline.round_shapes)
 
     def noise_scale(self, step: int) -> float:
         """Std of the Gaussian noise added to the target features at ``step``."""
@@ -103,6 +117,12 @@ class DFlashObjective(nn.Module):
             raise ValueError("model.attention=flex needs CUDA for training (FlexAttention has no CPU "
                              "backward); use model.attention=sdpa or auto")
         return self.attention == "flex"
+
+    def rounds_shapes(self, device: torch.device) -> bool:
+        """Whether batches on ``device`` are padded up to :attr:`shape_sizes`."""
+        if self.shape_sizes is None or self.round_shapes == "off":
+            return False
+        return self.round_shapes == "on" or self._use_flex(device)
 
     def forward(self, batch: Batch, target: TargetOutputs, step: int) -> LossSums:
         """Loss and metric sums for one micro-batch.
@@ -122,25 +142,35 @@ class DFlashObjective(nn.Module):
         label_ids = input_ids
         if self.labels == "target_greedy":
             label_ids = _required(target.target_labels, "target_labels")
-        noise_ids, block_positions = build_block_inputs(input_ids, anchors, keep, self.mask_token_id, block)
         slots = self.loss_slots
         labels, weights = labels_and_weights(label_ids, batch.loss_mask, anchors, keep, block, self.gamma,
                                              batch.seq_lens, num_slots=slots)
-        mask: Any
-        if self._use_flex(features.device):
-            mask = flex_block_mask(anchors, keep, context_len, block)
-        elif self.attention == "sdpa":
-            mask = dense_block_mask(anchors, keep, context_len, block)
-        else:
-            mask = BlockLayout(anchors, keep, context_len, block)
         dtype = self.drafter.fc.weight.dtype
         context = features.to(dtype)
         scale = self.noise_scale(step)
         if scale > 0:
             context = context + torch.randn_like(context) * scale
+        # The drafter's blocks and context, padded (after the noise: the same draws either way).
+        block_anchors, block_keep = anchors, keep
+        if self.rounds_shapes(features.device):
+            assert self.shape_sizes is not None
+            padded = pad_blocks(self.shape_sizes, anchors, keep, context)
+            block_anchors, block_keep, context = padded.anchors, padded.keep, padded.context
+            context_len = context.shape[1]
+        noise_ids, block_positions = build_block_inputs(input_ids, block_anchors, block_keep,
+                                                        self.mask_token_id, block)
+        mask: Any
+        if self._use_flex(features.device):
+            mask = flex_block_mask(block_anchors, block_keep, context_len, block)
+        elif self.attention == "sdpa":
+            mask = dense_block_mask(block_anchors, block_keep, context_len, block)
+        else:
+            mask = BlockLayout(block_anchors, block_keep, context_len, block)
         hidden = self.drafter(position_ids(block_positions, context_len),
                               F.embedding(noise_ids, self.embed_weight).to(dtype), context,
                               attention_mask=mask, output_slots=slots)
+        # The padded blocks come last: the first N blocks' rows are the real ones.
+        hidden = hidden[:, :anchors.shape[1] * slots]
         soft_hidden = None
         if self.labels == "kl":
             final_hidden = _required(target.final_hidden, "final_hidden")

@@ -24,7 +24,7 @@ from typing import Any
 from dflash_trainer.config import Config
 from dflash_trainer.data.buckets import Plan
 from dflash_trainer.features.store import FeatureStore
-from dflash_trainer.distributed import DistInfo, gather_objects
+from dflash_trainer.distributed import DistInfo, StopAgreement, gather_objects
 from dflash_trainer.model.batch import Batch, StepInput
 from dflash_trainer.pipeline.channel import Channel
 from dflash_trainer.pipeline.drafter_step import DrafterStep
@@ -75,13 +75,16 @@ class TrainingPipeline:
     receives the monitor's logs, with the bucket of every acknowledged micro-batch added
     (``data/step_buckets``). Thread ownership: the prefetcher's workers and dispatcher and the
     target stage run on their own threads; the drafter step, the monitor and this object's
-    methods run on the caller's thread.
+    methods run on the caller's thread. ``stop_agreement`` (a sharded target's,
+    ``distributed.target_stop_agreement``) makes the target stages of all ranks run the same
+    forwards.
     """
 
     def __init__(self, *, data: TokenDataset, plans: Callable[[int], Plan], extract: FeatureFn | None,
                  drafter_step: DrafterStep, dist: DistInfo, settings: PipelineSettings,
                  store: FeatureStore | None = None,
-                 trackers: Tracker | None = None) -> None:
+                 trackers: Tracker | None = None,
+                 stop_agreement: StopAgreement | None = None) -> None:
         self.drafter_step = drafter_step
         self.stop = threading.Event()
         self.batches = Channel("batches", settings.batch_queue_size, self.stop)
@@ -91,7 +94,7 @@ class TrainingPipeline:
                 rank=dist.rank, num_workers=settings.prefetch_workers,
                 num_anchors=settings.num_anchors, block_size=settings.block_size,
                 seed=settings.seed, epochs=settings.epochs,
-                pin_memory=dist.device.type == "cuda"),
+                pin_memory=dist.device.type == "cuda", device=dist.device),
             outputs=[self.batches], stop=self.stop)
         self.target_stage: Stage
         if store is not None:
@@ -101,7 +104,8 @@ class TrainingPipeline:
             assert extract is not None, "a pipeline needs the target's extractor or a feature store"
             self.target_stage = TargetStage(extract=extract, inputs=self.batches,
                                             output=self.features, device=dist.device,
-                                            stop=self.stop, threads=settings.target_threads)
+                                            stop=self.stop, threads=settings.target_threads,
+                                            agreement=stop_agreement)
         self.supervisor = Supervisor(self.stop)
         self.supervisor.add(self.prefetcher)
         self.supervisor.add(self.target_stage)

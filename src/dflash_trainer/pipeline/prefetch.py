@@ -73,6 +73,8 @@ class PrefetchOptions:
     """Epochs ``0 .. epochs - 1``; end-of-stream follows the last step of the last."""
     pin_memory: bool = False
     """Page-locked batches, for asynchronous copies to a CUDA device."""
+    device: torch.device | None = None
+    """The rank's device: a worker that pins memory makes this CUDA device its current one."""
     reorder_window: int | None = None
     """Steps workers may claim beyond those dispatched (None: ``2 * num_workers``)."""
 
@@ -147,6 +149,11 @@ class BatchPrefetcher(Stage):
                 self._cond.notify_all()
 
     def _work(self) -> None:
+        device = self.options.device
+        if self.pin_memory and device is not None and device.type == "cuda":
+            # Pinning allocates through the thread's current device, GPU 0 in a new thread:
+            # without this every rank above 0 would create a CUDA context there.
+            torch.cuda.set_device(device)
         while (claim := self._claim()) is not None:
             index, plan, step = claim
             with self.busy():
