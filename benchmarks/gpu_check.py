@@ -1,32 +1,34 @@
-"""Check and time everything that only runs on a GPU, in one short script.
+"""The first hour on a real GPU: everything that only runs there, checked in one script.
 
-    python -m benchmarks.gpu_check --out gpu_check.json          # one GPU, about 5 minutes
-    python -m benchmarks.gpu_check --device cpu --tiny --out x.json   # same code paths, tiny
+    python -m benchmarks.gpu_check --out gpu_check.json        # one GPU: under 10 minutes
+    python -m benchmarks.gpu_check --device cpu --tiny --out x.json   # dry run, tiny shapes
 
-Sections, each on fresh random inputs (a failing section is reported, the others still run):
+Sections, in order (a failing section is reported, the others still run):
 
 - env: torch / CUDA / device facts.
-- matmul: the measured bf16 matmul ceiling (TFLOP/s), the denominator of every MFU here.
-- flex_vs_sdpa: the drafter training forward (``DFlashObjective``: blocks, masks, drafter,
-  chunked loss) with FlexAttention and a ``BlockMask`` vs SDPA and the dense mask, in the
-  training precision (fp32 weights, bf16 autocast), both against an fp32 SDPA reference:
-  drafter outputs, loss and every parameter gradient. On CPU: forward only, fp32 (FlexAttention
-  has no CPU backward).
-- train_step: full training steps (target features -> drafter -> chunked LM-head loss ->
-  backward -> clip -> AdamW) at reference shapes, a Qwen3-8B-like geometry: hidden 4096,
-  5 drafter layers, block 16, 512 anchors, length 3072, vocab 151936, with a random
-  5-layer Qwen3 target; model TFLOP/s and MFU against the measured ceiling, step time with
-  SDPA for comparison, peak memory, and the number of recompilations during timed steps.
-- pipeline: the same steps pipelined (prefetch workers, target stage on its own CUDA stream,
-  drafter step) vs sequential (one thread, one stream): overlap ratio, data_wait_frac.
-- loss_memory: peak ``torch.cuda.max_memory_allocated`` of forward + backward of the LM-head
-  loss at reference shapes, chunked (``loss.chunked_head_loss``) vs unchunked
-  (``loss.reference_head_loss``), and whether their losses and gradients agree.
-- nccl: a 1-process NCCL process group, an all_reduce with a known answer, its time (gloo on
-  CPU, so the code path still runs).
+- matmul: the measured bf16 matmul ceiling, the denominator of the MFU below.
+- flex_vs_sdpa: the drafter training forward (``DFlashObjective``) with FlexAttention and a
+  ``BlockMask`` vs SDPA and the dense mask, in bf16 autocast, both against an fp32 SDPA
+  reference: drafter outputs, loss and every parameter gradient (CPU: forward only, fp32).
+- sanitizer: ~20 pipelined training steps in a child process under ``TORCH_CUDA_SANITIZER=1``
+  (PyTorch's stream sanitizer fails the step that reads a tensor another stream may still
+  write), with a delay put in front of every drafter step.
+- losses: the per-step losses of pipelined steps (target stage on its own stream and thread,
+  the same delay in front of every drafter step) equal those of the same steps run one after
+  the other in one thread: a batch overwritten across streams would change them.
+- recompiles: ~40 steps over data of 6 length buckets with ``TORCH_LOGS=recompiles``: the
+  compiled FlexAttention's graph count levels off and dynamo never hits its recompile limit
+  (which would fall back to the unfused kernel); the padded shape set is printed.
+- memory: training steps with the full Qwen3-8B target (36 layers, random weights) and its
+  5-layer drafter at 3072 tokens, 512 anchors: peak memory, step time, MFU.
+- kill_resume: ``dflash-trainer train`` on the device, SIGKILL after its second checkpoint,
+  ``--resume auto`` continues from it, then SIGTERM: a final checkpoint and exit 0.
+- two_gpu: with 2 GPUs, torchrun with NCCL and ``distributed.target=fsdp``: ranks stop early
+  without waiting for a collective, and rank 1 holds no CUDA context on GPU 0 (on CPU: the
+  same run with 2 gloo ranks; skipped on a single GPU).
 
-The table printed last says ok / FAIL / warn / skipped / error per section; the JSON file
-(``--out``) holds every number. Exit status 1 if a section failed or raised.
+It prints one table last (ok / FAIL / warn / skipped / error per section) and writes every
+number to one JSON file (``--out``). Exit status 1 if a section failed or raised.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import os
 import platform
@@ -43,73 +46,34 @@ import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from benchmarks.pipeline import Parts, RunResult, run_pipelined, run_sequential
-from dflash_trainer.components import build, peak_flops
-from dflash_trainer.config import ModelConfig, load_config
-from dflash_trainer.distributed import DistInfo
+from benchmarks import gpu_check_runs
+from benchmarks.gpu_parts import (
+    BUCKETED, CHECK, GAMMA, LOSS_CHUNK, QWEN3_8B, TINY, TINY_BUCKETED, Geometry,
+    build_train_parts, drafter_delay, make_drafter, make_target, pipelined_steps,
+    sequential_steps)
+from dflash_trainer.components import peak_flops
 from dflash_trainer.flops import LayerDims, StepShape
 from dflash_trainer.flops import step_flops as model_step_flops
 from dflash_trainer.model.batch import Batch
-from dflash_trainer.model.blocks import flex_block_mask, sample_anchors, slot_weights
-from dflash_trainer.model.drafter import build_drafter
-from dflash_trainer.model.loss import chunked_head_loss, reference_head_loss
+from dflash_trainer.model.blocks import sample_anchors
 from dflash_trainer.model.objective import DFlashObjective
 from dflash_trainer.model.target import TargetOutputs
-from dflash_trainer.pipeline.pipeline import PipelineSettings
 
-GAMMA = 7.0
-LOSS_CHUNK = 1024
 BF16_REL_TOL = 2e-2
 """Flex vs SDPA, both in bf16: relative L2 error allowed (bf16 has 8 mantissa bits)."""
 FP32_REL_TOL = 1e-4
 """Flex vs SDPA, both in fp32 (CPU)."""
-WAIT_GOAL = 0.02
-"""data_wait_frac the pipeline should stay under when the target is not the bottleneck."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Geometry:
-    """Model and batch shapes of one section."""
-
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    target_layers: int
-    drafter_layers: int
-    block_size: int
-    num_anchors: int
-    seq_len: int
-    batch: int
-
-    @property
-    def layer_ids(self) -> list[int]:
-        """Target layers feeding the drafter: one per drafter layer, ending just below the
-        target's last layer (which the trainer refuses: servers read it after the final norm)."""
-        return list(range(self.target_layers - 1 - self.drafter_layers, self.target_layers - 1))
-
-
-REFERENCE = Geometry(hidden=4096, intermediate=12288, heads=32, kv_heads=8, head_dim=128,
-                     vocab=151936, target_layers=6, drafter_layers=5, block_size=16,
-                     num_anchors=512, seq_len=3072, batch=1)
-"""Qwen3-8B-DFlash-b16 drafter shapes; the target is Qwen3-8B cut to 6 layers, of which the
-feature forward runs 5 (it stops after the deepest feature layer)."""
-CHECK = Geometry(hidden=1024, intermediate=3072, heads=8, kv_heads=2, head_dim=128, vocab=32000,
-                 target_layers=3, drafter_layers=2, block_size=16, num_anchors=64,
-                 seq_len=1024, batch=2)
-"""The flex-vs-SDPA comparison: small enough for an fp32 reference, with GQA and 2 rows."""
-TINY = Geometry(hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=512,
-                target_layers=3, drafter_layers=2, block_size=16, num_anchors=16, seq_len=128,
-                batch=2)
+CUDA_LOSS_RTOL = 1e-4
+"""Pipelined vs sequential per-step loss on CUDA (CPU: bitwise). The same kernels run in both,
+but not every CUDA kernel is bitwise reproducible; a batch overwritten across streams changes
+the loss by far more."""
+DELAY_S = 0.05
+"""The delay put in front of each drafter step of the sanitizer and losses sections."""
 
 
 @dataclass(kw_only=True)
@@ -119,9 +83,7 @@ class Settings:
     device: torch.device
     tiny: bool
     dtype: torch.dtype
-    """Training compute dtype: bf16 autocast on CUDA, fp32 on CPU (as the trainer)."""
-    steps: int
-    warmup: int
+    """Training compute dtype: bf16 on CUDA, fp32 on CPU (as the trainer)."""
     budget_s: float
     started: float
 
@@ -171,50 +133,12 @@ def time_it(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int
     return (time.perf_counter() - start) / iters
 
 
-def make_target(geom: Geometry, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """A random frozen Qwen3 causal LM with the geometry's width and ``target_layers`` layers."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    config = Qwen3Config(vocab_size=geom.vocab, hidden_size=geom.hidden,
-                         intermediate_size=geom.intermediate,
-                         num_hidden_layers=geom.target_layers,
-                         num_attention_heads=geom.heads, num_key_value_heads=geom.kv_heads,
-                         head_dim=geom.head_dim, max_position_embeddings=max(4096, geom.seq_len),
-                         tie_word_embeddings=False, rope_theta=1e6)
-    with torch.device(device):  # initialise where it will live: no host copy of the weights
-        model = Qwen3ForCausalLM(config)
-    return model.to(dtype).eval().requires_grad_(False)
-
-
-def make_drafter(geom: Geometry, target_config: Any, device: torch.device) -> torch.nn.Module:
-    """The trainer's drafter for ``target_config`` (fp32 weights, as the trainer keeps them)."""
-    model_cfg = ModelConfig(num_layers=geom.drafter_layers, block_size=geom.block_size,
-                            target_layer_ids=geom.layer_ids)
-    with torch.device(device):
-        drafter = build_drafter(model_cfg, target_config, mask_token_id=geom.vocab - 1)
-    return drafter.to(device)
-
-
-class SyntheticTokens:
-    """Random token samples of one length; the first 10% of each is an unsupervised prompt."""
-
-    def __init__(self, num: int, length: int, vocab: int, seed: int) -> None:
-        rng = np.random.default_rng(seed)
-        # The last id is the mask token; keep it out of the data.
-        self._ids = rng.integers(0, vocab - 1, size=(num, length), dtype=np.int32)
-        self._mask = np.ones((num, length), dtype=np.uint8)
-        self._mask[:, : max(1, length // 10)] = 0
-        self.lengths = np.full(num, length, dtype=np.int64)
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
-        return self._ids[index], self._mask[index]
-
-    def token_ids(self) -> np.ndarray:
-        """The distinct token ids of the samples."""
-        return np.unique(self._ids)
+def rate_text(flops_per_s: float) -> str:
+    """``12.3 TFLOP/s`` or, below 1 TFLOP/s, ``45.6 GFLOP/s``."""
+    if flops_per_s >= 1e12:
+        return f"{flops_per_s / 1e12:.1f} TFLOP/s"
+    return f"{flops_per_s / 1e9:.1f} GFLOP/s"
 
 
 def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
@@ -236,19 +160,10 @@ def step_flops(geom: Geometry, *, mean_anchor: float) -> dict[str, float]:
     return flops
 
 
-def rate_text(flops_per_s: float) -> str:
-    """``12.3 TFLOP/s`` or, below 1 TFLOP/s, ``45.6 GFLOP/s``."""
-    if flops_per_s >= 1e12:
-        return f"{flops_per_s / 1e12:.1f} TFLOP/s"
-    return f"{flops_per_s / 1e9:.1f} GFLOP/s"
+def compile_count() -> int:
+    """Graphs torch.compile has compiled so far in this process."""
+    from torch._dynamo.utils import counters
 
-
-def _compile_count() -> int | None:
-    """Graphs torch.compile has compiled so far in this process (None if unknown)."""
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:
-        return None
     return int(counters["stats"]["unique_graphs"])
 
 
@@ -421,240 +336,151 @@ def section_flex_vs_sdpa(st: Settings) -> Section:
                    data=data)
 
 
-def build_train_parts(st: Settings, geom: Geometry) -> Parts:
-    """The trainer's components (``components.build``) on a random target and synthetic data
-    at ``geom``."""
-    target = make_target(geom, st.device, st.dtype)
-    dataset = SyntheticTokens(16 * geom.batch, geom.seq_len, geom.vocab, seed=0)
-    cfg = load_config(None, [
-        f"model.num_layers={geom.drafter_layers}", f"model.block_size={geom.block_size}",
-        f"model.target_layer_ids={geom.layer_ids}", f"model.mask_token_id={geom.vocab - 1}",
-        f"training.gamma={GAMMA}", f"training.loss_chunk_size={LOSS_CHUNK}",
-        f"training.num_anchors={geom.num_anchors}", "training.seed=0",
-        f"data.max_length={geom.seq_len}",
-        "pipeline.num_buckets=1", f"pipeline.tokens_per_batch={geom.batch * geom.seq_len}",
-        f"pipeline.max_batch_size={geom.batch}", f"pipeline.device={st.device.type}"])
-    c = build(cfg, DistInfo(rank=0, world_size=1, local_rank=0, device=st.device),
-              target=target, data=dataset)
-    return Parts(components=c, settings=PipelineSettings.from_config(cfg,
-                                                                     block_size=geom.block_size),
-                 info={"drafter_params": sum(p.numel() for p in c.drafter.parameters()),
-                       "target_params": sum(p.numel() for p in target.parameters()),
-                       "objective": c.objective})
+
+def section_losses(st: Settings) -> Section:
+    """Per-step losses of pipelined steps (a delay before each drafter step) vs sequential."""
+    geom = TINY if st.tiny else CHECK
+    steps = 6 if st.tiny else 12
+    runs = {}
+    for mode in ("sequential", "pipelined"):
+        # Built afresh for each run: the same seed gives the same drafter and optimizer.
+        parts = build_train_parts(geom, st.device, st.dtype, samples=4 * steps)
+        if mode == "sequential":
+            runs[mode] = sequential_steps(parts, steps)
+        else:
+            runs[mode] = pipelined_steps(parts, steps, delay=drafter_delay(st.device, DELAY_S))
+        del parts
+        _free(st.device)
+    seq, pipe = runs["sequential"].losses, runs["pipelined"].losses
+    diffs = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(pipe, seq)]
+    equal = sum(a == b for a, b in zip(pipe, seq))
+    tol = CUDA_LOSS_RTOL if st.device.type == "cuda" else 0.0
+    ok = runs["sequential"].tokens == runs["pipelined"].tokens and max(diffs) <= tol
+    data = {"geometry": asdict(geom), "steps": steps, "delay_s": DELAY_S,
+            "sequential": seq, "pipelined": pipe, "max_rel_diff": max(diffs),
+            "bitwise_equal_steps": equal, "tolerance": tol}
+    return Section("losses", status="ok" if ok else "FAIL",
+                   summary=f"{equal}/{steps} steps bitwise equal, max rel diff {max(diffs):.1e} "
+                           f"(allowed {tol:.0e}), {DELAY_S * 1e3:.0f} ms drafter delay",
+                   data=data)
 
 
-def section_train_step(st: Settings, ceiling_tflops: float | None,
-                       keep: dict[str, Any]) -> Section:
-    """Timed full training steps at reference shapes (sequential, one stream)."""
-    geom = TINY if st.tiny else REFERENCE
-    device = st.device
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    parts = build_train_parts(st, geom)
-    keep["parts"] = parts
+class _DynamoLog(logging.Handler):
+    """Collects dynamo's recompile reasons and recompile-limit warnings."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.recompiles: list[str] = []
+        self.limit_hits: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if "recompile_limit" in text or "cache_size_limit" in text:
+            self.limit_hits.append(text[:500])
+        elif "Recompiling" in text:
+            self.recompiles.append(text[:500])
+
+
+def section_recompiles(st: Settings) -> Section:
+    """~40 steps over bucketed data: compiles level off, no recompile-limit hit."""
+    geom = TINY_BUCKETED if st.tiny else BUCKETED
+    steps = 10 if st.tiny else 40
+    parts = build_train_parts(geom, st.device, st.dtype, samples=8 * steps)
     objective: DFlashObjective = parts.info["objective"]
-    # Compile warm-up (flex kernels, block-mask construction) outside every timed window.
-    warm_start = time.perf_counter()
-    run_sequential(parts, steps=1, warmup=max(1, st.warmup - 1))
-    warm_s = time.perf_counter() - warm_start
-    compiles_before = _compile_count()
-    seq = run_sequential(parts, steps=st.steps, warmup=1)
-    compiles_after = _compile_count()
-    recompiles = (None if compiles_before is None or compiles_after is None
-                  else compiles_after - compiles_before)
-    peak_gib = (torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda"
-                else None)
-    step_s = seq.seconds / seq.steps
-    mean_anchor = float(np.mean([geom.seq_len // 10, geom.seq_len - geom.block_size]))
-    flops = step_flops(geom, mean_anchor=mean_anchor)
+    rounding = objective.rounds_shapes(st.device)
+    handler = _DynamoLog()
+    torch_logger = logging.getLogger("torch")
+    torch_logger.addHandler(handler)
+    torch._logging.set_logs(recompiles=True)  # what TORCH_LOGS=recompiles turns on
+    try:
+        before = compile_count()
+        log = pipelined_steps(parts, steps, after_step=lambda: compile_count() - before)
+    finally:
+        torch._logging.set_logs()
+        torch_logger.removeHandler(handler)
+    counts = log.after_step
+    settle = steps * 3 // 4
+    last_compile = max((i + 1 for i in range(steps) if counts[i] > (counts[i - 1] if i else 0)),
+                       default=0)
+    sizes = objective.shape_sizes if rounding else None
+    data = {"geometry": asdict(geom), "steps": steps, "compiles_per_step": counts,
+            "batch_shapes": len(set(log.shapes)), "shapes": log.shapes,
+            "round_shapes": rounding, "shape_sizes": asdict(sizes) if sizes else None,
+            "recompile_reasons": handler.recompiles, "recompile_limit_hits": handler.limit_hits,
+            "step_s": log.seconds}
+    status = "ok"
+    notes = [sizes.describe() if sizes else "shapes not rounded (no FlexAttention here)"]
+    if handler.limit_hits:
+        status = "FAIL"
+        notes.append("dynamo hit its recompile limit: FlexAttention fell back to the unfused "
+                     "kernel")
+    elif counts[-1] != counts[settle - 1]:
+        status = "warn"
+        notes.append(f"compiled again after step {settle}")
+    summary = (f"{counts[-1]} graphs compiled over {steps} steps (last at step {last_compile}), "
+               f"{data['batch_shapes']} distinct batch shapes, "
+               f"{len(handler.recompiles)} recompiles logged")
+    return Section("recompiles", status=status, summary=summary, note="; ".join(notes),
+                   data=data)
+
+
+def section_memory(st: Settings, ceiling_tflops: float | None) -> Section:
+    """Training steps at the full Qwen3-8B target shapes: peak memory, step time, MFU."""
+    geom = TINY if st.tiny else QWEN3_8B
+    steps = 2 if st.tiny else 4
+    cuda = st.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(st.device)
+    parts = build_train_parts(geom, st.device, st.dtype, samples=4 * (steps + 1))
+    built_gib = torch.cuda.memory_allocated(st.device) / 2**30 if cuda else None
+    log = pipelined_steps(parts, steps + 1)  # the first step compiles
+    peak_gib = torch.cuda.max_memory_allocated(st.device) / 2**30 if cuda else None
+    step_s = sum(log.seconds[1:]) / steps
+    flops = step_flops(geom, mean_anchor=geom.seq_len / 2)
     tflops = flops["total"] / step_s / 1e12
     data: dict[str, Any] = {
-        # model.attention=auto: flex on CUDA, SDPA with the dense mask elsewhere.
-        "geometry": asdict(geom), "attention": "flex" if device.type == "cuda" else "sdpa",
-        "drafter_params": parts.info["drafter_params"],
-        "target_params": parts.info["target_params"], "warmup_s": warm_s,
-        "step_s": step_s, "stage_s_per_step": {k: v / seq.steps for k, v in seq.stage_s.items()},
-        "flops_per_step": flops, "tflops": tflops, "tokens_per_s": seq.tokens_per_s,
-        "recompiles_during_timed_steps": recompiles, "peak_memory_gib": peak_gib,
-        "sequential": asdict(seq),
-    }
+        "geometry": asdict(geom), "target_params": parts.info["target_params"],
+        "drafter_params": parts.info["drafter_params"], "after_build_gib": built_gib,
+        "peak_gib": peak_gib, "step_s": step_s, "tflops": tflops,
+        "tokens_per_s": sum(log.tokens[1:]) / sum(log.seconds[1:]), "losses": log.losses}
     if ceiling_tflops:
         data["mfu_vs_measured"] = tflops / ceiling_tflops
-    spec = peak_flops(device)
+    spec = peak_flops(st.device)
     if spec:
         data["mfu_vs_spec"] = tflops * 1e12 / spec
-    if device.type == "cuda":
-        if data["attention"] == "flex":
-            data["block_mask_s"] = _time_block_mask(geom, device)
-            # The same steps with SDPA and the dense mask, to show what flex buys.
-            objective.attention = "sdpa"
-            try:
-                sdpa = run_sequential(parts, steps=max(2, st.steps // 2), warmup=1)
-                data["sdpa_step_s"] = sdpa.seconds / sdpa.steps
-            except torch.cuda.OutOfMemoryError:
-                # SDPA with a dense mask and GQA can fall back to the math kernel, which holds
-                # [heads, Q, S + Q] scores per layer: a finding, not a failure of this check.
-                data["sdpa_step_s"] = "out of memory"
-            finally:
-                objective.attention = "auto"
-                parts.drafter_step.optimizer.zero_grad(set_to_none=True)
-                _free(device)
-    keep["seq"] = seq
-    mfu = data.get("mfu_vs_measured")
-    summary = (f"{step_s * 1e3:.0f} ms/step ({data['attention']}), {rate_text(tflops * 1e12)}"
-               + (f", MFU {mfu:.1%} of measured" if mfu is not None else ""))
-    if isinstance(data.get("sdpa_step_s"), float):
-        summary += f"; sdpa {data['sdpa_step_s'] * 1e3:.0f} ms/step"
-    elif "sdpa_step_s" in data:
-        summary += f"; sdpa {data['sdpa_step_s']}"
-    if peak_gib is not None:
-        summary += f"; peak {peak_gib:.1f} GiB"
-    status, notes = "ok", [f"{data['drafter_params'] / 1e6:.2f}M drafter params, "
-                           f"warm-up {warm_s:.0f} s"]
-    if recompiles:
-        status = "warn"
-        notes.append(f"{recompiles} recompilations during timed steps")
-    return Section("train_step", status=status, summary=summary, note="; ".join(notes),
-                   data=data)
-
-
-def _time_block_mask(geom: Geometry, device: torch.device) -> float:
-    """Seconds to build one FlexAttention BlockMask at ``geom`` (after its compilation)."""
-    generator = torch.Generator().manual_seed(3)
-    loss_mask = torch.ones(geom.batch, geom.seq_len, dtype=torch.bool)
-    anchors, keep = sample_anchors(loss_mask, geom.num_anchors, geom.block_size, generator)
-    anchors, keep = anchors.to(device), keep.to(device)
-    return time_it(lambda: flex_block_mask(anchors, keep, geom.seq_len, geom.block_size), device,
-                   iters=5, warmup=1)
-
-
-def section_pipeline(st: Settings, keep: dict[str, Any]) -> Section:
-    """The pipelined run of the train-step setup vs its sequential run."""
-    parts: Parts | None = keep.get("parts")
-    seq: RunResult | None = keep.get("seq")
-    if parts is None or seq is None:
-        return Section("pipeline", status="skipped", note="needs the train_step section")
-    pipe = run_pipelined(parts, steps=st.steps, warmup=st.warmup)
-    ratio = pipe.tokens_per_s / seq.tokens_per_s
-    stages = seq.stage_s
-    bound = sum(stages.values()) / max(stages.values()) if stages else math.nan
-    data = {"pipelined": asdict(pipe), "sequential": asdict(seq),
-            "overlap_ratio": ratio, "ideal_overlap_bound": bound,
-            "data_wait_frac": pipe.data_wait_frac}
-    summary = (f"pipelined/sequential {ratio:.2f}x (ideal {bound:.2f}x), data_wait_frac "
-               f"{pipe.data_wait_frac:.3f}, busy target {pipe.busy['target']:.2f} drafter "
-               f"{pipe.busy['drafter']:.2f}")
-    notes, status = [], "ok"
-    if ratio < 0.97:
-        status = "warn"
-        notes.append("pipelined slower than sequential")
-    if pipe.data_wait_frac is not None and pipe.data_wait_frac > WAIT_GOAL:
-        target_share = stages.get("target", 0.0) / max(sum(stages.values()), 1e-9)
-        notes.append(f"data_wait_frac above {WAIT_GOAL} (target is {target_share:.0%} of a "
-                     f"sequential step)")
-        if stages.get("target", 0.0) < stages.get("drafter", 0.0):
-            status = "warn"
-    if st.device.type == "cpu":
-        notes.append("CPU: both threads share the same cores")
-    return Section("pipeline", status=status, summary=summary, note="; ".join(notes), data=data)
-
-
-def section_loss_memory(st: Settings) -> Section:
-    """Peak memory and agreement of the chunked vs unchunked LM-head loss."""
-    geom = TINY if st.tiny else REFERENCE
-    device = st.device
-    cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    slots = geom.batch * geom.num_anchors * (geom.block_size - 1)
-    generator = torch.Generator().manual_seed(7)
-    head = (torch.randn(geom.vocab, geom.hidden, generator=generator) * 0.02).to(device, dtype)
-    hidden0 = torch.randn(slots, geom.hidden, generator=generator).to(device, dtype)
-    labels = torch.randint(0, geom.vocab, (slots,), generator=generator).to(device)
-    weights = slot_weights(geom.block_size, GAMMA).repeat(slots // (geom.block_size - 1)).to(device)
-    results: dict[str, dict[str, Any]] = {}
-    for name in ("reference", "chunked"):
-        hidden = hidden0.clone().requires_grad_(True)
-        _sync(device)
-        _free(device)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-        start = time.perf_counter()
-        if name == "reference":
-            total, _ = reference_head_loss(hidden, head, labels, weights)
-        else:
-            total, _ = chunked_head_loss(hidden, head, labels, weights, LOSS_CHUNK)
-        total.backward()
-        _sync(device)
-        entry: dict[str, Any] = {"seconds": time.perf_counter() - start,
-                                 "loss": total.item(), "grad": hidden.grad.float()}
-        if cuda:
-            entry["peak_extra_gib"] = (torch.cuda.max_memory_allocated(device) - base) / 2**30
-        results[name] = entry
-        del total, hidden
-    grad_err = rel_err(results["chunked"]["grad"], results["reference"]["grad"])
-    loss_err = abs(results["chunked"]["loss"] - results["reference"]["loss"]) / abs(
-        results["reference"]["loss"])
-    for entry in results.values():
-        del entry["grad"]
-    tol = BF16_REL_TOL if dtype == torch.bfloat16 else FP32_REL_TOL
-    ok = grad_err <= tol and loss_err <= tol
-    data = {"slots": slots, "hidden": geom.hidden, "vocab": geom.vocab, "chunk": LOSS_CHUNK,
-            "dtype": str(dtype).replace("torch.", ""), "loss_rel_err": loss_err,
-            "grad_rel_err": grad_err, **results}
-    summary = f"loss rel err {loss_err:.1e}, grad rel err {grad_err:.1e}"
-    note = ""
+    del parts
+    summary = f"{step_s * 1e3:.0f} ms/step, {rate_text(tflops * 1e12)}"
+    if "mfu_vs_measured" in data:
+        summary += f", MFU {data['mfu_vs_measured']:.1%} of measured"
+    status = "ok"
+    note = (f"{data['target_params'] / 1e6:.1f}M target, {data['drafter_params'] / 1e6:.1f}M "
+            f"drafter parameters")
     if cuda:
-        ref_gib = results["reference"]["peak_extra_gib"]
-        chunk_gib = results["chunked"]["peak_extra_gib"]
-        data["memory_ratio"] = ref_gib / max(chunk_gib, 1e-9)
-        summary = (f"peak +{ref_gib:.2f} GiB unchunked vs +{chunk_gib:.2f} GiB chunked "
-                   f"({data['memory_ratio']:.1f}x); " + summary)
+        total = torch.cuda.get_device_properties(st.device).total_memory / 2**30
+        data["device_gib"] = total
+        summary = f"peak {peak_gib:.1f} of {total:.0f} GiB (weights etc. {built_gib:.1f}); " + summary
+        if peak_gib > 0.9 * total:
+            status = "warn"
+            note += "; peak above 90% of the device"
     else:
-        note = "peak memory skipped: torch.cuda allocator stats need CUDA"
-    return Section("loss_memory", status="ok" if ok else "FAIL", summary=summary, note=note,
-                   data=data)
+        note += "; peak memory needs CUDA"
+    if not all(math.isfinite(v) for v in log.losses):
+        status = "FAIL"
+        note += "; non-finite loss"
+    return Section("memory", status=status, summary=summary, note=note, data=data)
 
 
-def section_nccl(st: Settings) -> Section:
-    """A 1-process group (NCCL on CUDA, gloo on CPU): init, all_reduce, timing."""
-    import torch.distributed as dist
-
-    cuda = st.device.type == "cuda"
-    backend = "nccl" if cuda else "gloo"
-    if cuda and not dist.is_nccl_available():
-        return Section("nccl", status="FAIL", note="this torch build has no NCCL")
-    if dist.is_initialized():
-        return Section("nccl", status="skipped", note="a process group already exists")
-    kwargs = {"device_id": st.device} if cuda else {}
-    start = time.perf_counter()
-    # The store listens on a port the OS picks and keeps: nothing else can take it meanwhile.
-    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True,
-                          timeout=timedelta(seconds=60))
-    dist.init_process_group(backend, store=store, rank=0, world_size=1,
-                            timeout=timedelta(seconds=60), **kwargs)
-    try:
-        init_s = time.perf_counter() - start
-        numel = (1 << 14) if st.tiny else (1 << 27)  # 256 MiB of bf16 on the GPU
-        dtype = torch.bfloat16 if cuda else torch.float32
-        tensor = torch.full((numel,), 3.0, device=st.device, dtype=dtype)
-        dist.all_reduce(tensor)
-        ok = bool((tensor == 3.0).all())
-        seconds = time_it(lambda: dist.all_reduce(tensor), st.device, iters=5, warmup=1)
-        gib = numel * tensor.element_size() / 2**30
-        data = {"backend": backend, "world_size": 1, "init_s": init_s, "all_reduce_s": seconds,
-                "size_gib": gib, "correct": ok}
-        if cuda:
-            data["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
-    finally:
-        dist.destroy_process_group()
-    summary = (f"{backend} 1-process init {init_s:.2f} s, all_reduce {gib * 1024:.1f} MiB "
-               f"{seconds * 1e3:.2f} ms, result {'correct' if ok else 'WRONG'}")
-    note = "" if cuda else "NCCL skipped (no CUDA): gloo runs the same code path"
-    if cuda and torch.cuda.device_count() > 1:
-        note = (f"{torch.cuda.device_count()} GPUs: multi-rank bandwidth is not measured here "
-                f"(use torchrun)")
-    return Section("nccl", status="ok" if ok else "FAIL", summary=summary, note=note, data=data)
+def sanitized_steps(device: torch.device, tiny: bool, steps: int) -> int:
+    """The child process of the sanitizer section: pipelined steps with SDPA (the sanitizer
+    follows eager kernels; compiled ones are opaque to it), a delay before each drafter step;
+    prints the losses; a race the sanitizer sees raises, and the exit status is 1."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    geom = TINY if tiny else CHECK
+    parts = build_train_parts(geom, device, dtype, samples=2 * steps,
+                              overrides=("model.attention=sdpa",))
+    log = pipelined_steps(parts, steps, delay=drafter_delay(device, DELAY_S))
+    print(json.dumps({"sanitized_steps": len(log.losses), "losses": log.losses}), flush=True)
+    return 0
 
 
 # -- driver -----------------------------------------------------------------------------------
@@ -701,22 +527,26 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+
+SECTIONS = ("env", "matmul", "flex_vs_sdpa", "losses", "sanitizer", "recompiles", "memory",
+            "kill_resume", "two_gpu")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every section, print the table last, write the JSON; 1 if a check failed."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU self-test)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="timed steps per run (default 10, tiny 3)")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help="untimed steps per run (default 3, tiny 1)")
-    parser.add_argument("--budget-s", type=float, default=420.0,
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU dry run)")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=None,
+                        help="run these sections alone")
+    parser.add_argument("--budget-s", type=float, default=540.0,
                         help="sections that would start after this many seconds are skipped")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--out", default=None, help="write every number here as JSON")
+    parser.add_argument("--sanitized-steps", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     started = time.perf_counter()
     if args.threads:
@@ -733,21 +563,27 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device.index or 0)
         device = torch.device("cuda", torch.cuda.current_device())
     torch.manual_seed(0)
+    if args.sanitized_steps is not None:
+        return sanitized_steps(device, args.tiny, args.sanitized_steps)
     st = Settings(device=device, tiny=args.tiny,
                   dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-                  steps=args.steps or (3 if args.tiny else 10),
-                  warmup=args.warmup if args.warmup is not None else (1 if args.tiny else 3),
                   budget_s=args.budget_s, started=started)
-    keep: dict[str, Any] = {}
-    sections = [run_section(st, "env", lambda: section_env(st))]
-    sections.append(run_section(st, "matmul", lambda: section_matmul(st)))
-    ceiling = (sections[-1].data or {}).get("ceiling_tflops")
-    sections.append(run_section(st, "nccl", lambda: section_nccl(st)))
-    sections.append(run_section(st, "loss_memory", lambda: section_loss_memory(st)))
-    sections.append(run_section(st, "flex_vs_sdpa", lambda: section_flex_vs_sdpa(st)))
-    sections.append(run_section(st, "train_step", lambda: section_train_step(st, ceiling, keep)))
-    sections.append(run_section(st, "pipeline", lambda: section_pipeline(st, keep)))
-    keep.clear()
+    ceiling: dict[str, float | None] = {"tflops": None}
+
+    def matmul() -> Section:
+        section = section_matmul(st)
+        ceiling["tflops"] = (section.data or {}).get("ceiling_tflops")
+        return section
+
+    runs = {"env": lambda: section_env(st), "matmul": matmul,
+            "flex_vs_sdpa": lambda: section_flex_vs_sdpa(st),
+            "losses": lambda: section_losses(st),
+            "sanitizer": lambda: gpu_check_runs.section_sanitizer(st),
+            "recompiles": lambda: section_recompiles(st),
+            "memory": lambda: section_memory(st, ceiling["tflops"]),
+            "kill_resume": lambda: gpu_check_runs.section_kill_resume(st),
+            "two_gpu": lambda: gpu_check_runs.section_two_gpu(st)}
+    sections = [run_section(st, name, runs[name]) for name in (args.only or SECTIONS)]
     total = time.perf_counter() - started
     failed = [s.name for s in sections if s.status in ("FAIL", "error")]
     print()

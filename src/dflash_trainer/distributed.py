@@ -233,8 +233,9 @@ class StopAgreement:
     leftover accumulation micro-batches; the main threads agree on the step, not on when
     their stage threads see the stop), so no budget of forwards is known ahead: the stages
     agree on each one. One all-reduce (MAX) of a one-element CPU tensor on a gloo group of
-    their own: a host round trip (about 0.1 ms between 2 local CPU ranks, see
-    docs/distributed.md), no device sync, so the target stream's queue never drains for it.
+    their own: a host round trip on the target thread (0.6-0.75 ms measured between 2 local
+    ranks on a busy 2-core CPU, against ~0.1 s of GPU time for a Qwen3-8B forward at 3072
+    tokens), no device sync, so the target stream's queue of queued work never drains for it.
     Only the target-stage thread uses the group: its order is that thread's order.
     """
 
