@@ -259,3 +259,33 @@ def test_float8_store_is_close_to_the_features(setup, tmp_path: Path):
     if exact is not None:
         a, b = exact.sample(0).features, small.sample(0).features
         assert torch.allclose(a, b, rtol=0.07, atol=0.07 * a.abs().amax(-1, keepdim=True).max().item())
+
+
+def torchrun(args: list[str], log: Path) -> None:
+    """``torchrun --standalone --nproc-per-node 2 -m dflash_trainer ARGS``; it must exit 0."""
+    from test_distributed import run_with_deadline
+
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2",
+           "-m", "dflash_trainer", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    code = run_with_deadline(cmd, env, log, timeout_s=300)
+    assert code == 0, f"torchrun exited {code}; {log} ends:\n{log.read_text(errors='replace')[-4000:]}"
+
+
+def test_two_ranks_build_their_own_shards_and_train_from_the_store(store: Path, setup, tmp_path: Path):
+    # Two ranks build a store: each its own shards, rank 0 the index; the same bytes as one rank's.
+    out = tmp_path / "store2"
+    torchrun(["features", f"--out={out}", *overrides(setup, tmp_path / "x", "distributed.timeout_s=120")],
+             tmp_path / "build.log")
+    one, two = json.loads((store / INDEX).read_text()), json.loads((out / INDEX).read_text())
+    assert [r["num_samples"] for r in two["shards"]] == [r["num_samples"] for r in one["shards"]]
+    assert Manifest.read(out) == Manifest.read(store)
+    # Two ranks train from the store that one rank built (another world size) as they train online.
+    extra = ("distributed.timeout_s=120", "pipeline.prefetch_workers=1")
+    torchrun(["train", *overrides(setup, tmp_path / "online", *extra)], tmp_path / "online.log")
+    torchrun(["train", *overrides(setup, tmp_path / "offline", f"features.store={store}", *extra)],
+             tmp_path / "offline.log")
+    a, b = losses(tmp_path / "online"), losses(tmp_path / "offline")
+    assert a.keys() == b.keys() and a
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=LOSS_RTOL), step
