@@ -666,7 +666,8 @@ fail only after this long; each rank must close well before."""
 @pytest.mark.slow
 @pytest.mark.parametrize("moment, extra", [
     ("sigterm", ()), ("max_time_s", ("training.max_time_s=0.001",)),
-    ("max_steps", ("training.max_steps=2",)), ("leftover", ("training.grad_accum=3",))])
+    ("max_steps", ("training.max_steps=2", "pipeline.round_shapes=always")),
+    ("leftover", ("training.grad_accum=3",))])
 def test_sharded_target_stops_early_on_one_rank_without_waiting_for_a_timeout(
         assets_dir, tmp_path, moment, extra):
     """distributed.target=fsdp, a slow target and rank 1 leaving its pipeline 2 s after rank 0
@@ -693,3 +694,6 @@ def test_sharded_target_stops_early_on_one_rank_without_waiting_for_a_timeout(
                "leftover": "training completed after 2 steps"}[moment]
     assert stopped in text, text[-6000:]
     assert steps == list(range(1, steps[-1] + 1)) and steps[-1] < 8, steps
+    # Padded shapes (as on CUDA) train too, and their set is printed at start-up.
+    printed = "drafter attention shapes (pipeline.round_shapes): context widths [128]"
+    assert (printed in text) == ("pipeline.round_shapes=always" in extra), text[-6000:]

@@ -296,7 +296,8 @@ class PipelineConfig:
     """torch intra-op threads of the target stage's thread alone, for a CPU where the target's
     forward bounds the step (the drafter waits for features: ``perf/data_wait_frac``); see
     docs/performance.md."""
-    round_shapes: Literal["auto", "on", "off"] = "auto"
+    # always/never, not on/off: YAML (and so a command-line override) reads on/off as booleans.
+    round_shapes: Literal["auto", "always", "never"] = "auto"
     """Pad the drafter's context width and anchor count up to a fixed set of sizes (printed at
     start-up), so that compiled FlexAttention sees a bounded number of shapes; ``auto``: when
     the drafter attends with FlexAttention (CUDA). The loss is the same either way."""

@@ -47,7 +47,7 @@ class DFlashObjective(nn.Module):
     are the drafter's), so ``self.drafter`` stays the plain module.
 
     ``shape_sizes`` pads the drafter's context width and anchor count up to a fixed set of
-    sizes (:mod:`dflash_trainer.model.shapes`) when ``round_shapes`` is ``on``, or ``auto``
+    sizes (:mod:`dflash_trainer.model.shapes`) when ``round_shapes`` is ``always``, or ``auto``
     and the attention is FlexAttention (compiled, so specialised on shapes); the loss is the
     same either way.
     """
@@ -59,7 +59,7 @@ class DFlashObjective(nn.Module):
                  noise_std: float = 0.0, noise_warmup_steps: int = 0, selector_weight: float = 1.0,
                  selector_missing: Literal["exclude", "insert"] = "exclude",
                  shape_sizes: ShapeSizes | None = None,
-                 round_shapes: Literal["auto", "on", "off"] = "auto") -> None:
+                 round_shapes: Literal["auto", "always", "never"] = "auto") -> None:
         super().__init__()
         if embed_weight.requires_grad or head_weight.requires_grad:
             raise ValueError("the target embedding and LM head must be frozen (requires_grad=False)")
@@ -120,9 +120,9 @@ class DFlashObjective(nn.Module):
 
     def rounds_shapes(self, device: torch.device) -> bool:
         """Whether batches on ``device`` are padded up to :attr:`shape_sizes`."""
-        if self.shape_sizes is None or self.round_shapes == "off":
+        if self.shape_sizes is None or self.round_shapes == "never":
             return False
-        return self.round_shapes == "on" or self._use_flex(device)
+        return self.round_shapes == "always" or self._use_flex(device)
 
     def forward(self, batch: Batch, target: TargetOutputs, step: int) -> LossSums:
         """Loss and metric sums for one micro-batch.

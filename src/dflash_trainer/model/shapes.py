@@ -39,7 +39,8 @@ class ShapeSizes:
 
     @property
     def max_variants(self) -> int:
-        """The most (width, anchor count) pairs a run can produce."""
+        """The most (width, anchor count) pairs a run can produce (rows per batch vary too:
+        dynamo compiles that dimension dynamic once it has seen two values)."""
         return len(self.widths) * len(self.anchors)
 
     def width(self, width: int) -> int:
@@ -53,7 +54,7 @@ class ShapeSizes:
     def describe(self) -> str:
         """One line for the start-up output."""
         return (f"context widths {list(self.widths)} x anchor counts {list(self.anchors)}: "
-                f"at most {self.max_variants} shape variants")
+                f"at most {self.max_variants} (width, anchors) pairs")
 
 
 def shape_sizes(*, max_width: int, num_anchors: int, block_size: int) -> ShapeSizes:
