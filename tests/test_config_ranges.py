@@ -204,7 +204,7 @@ def test_in_range_option_is_accepted_as_given(key, data):
     elif key == "pipeline.bucket_boundaries":
         value = sorted(data.draw(st.sets(values, min_size=1, max_size=6)))
     elif _is_list(key):
-        value = data.draw(st.lists(values, min_size=1, max_size=6))
+        value = data.draw(st.lists(values, min_size=1, max_size=6, unique=rng.unique))
     else:
         value = data.draw(values)
     if key == "data.max_length":
@@ -214,6 +214,14 @@ def test_in_range_option_is_accepted_as_given(key, data):
     text = f"[{', '.join(map(repr, value))}]" if _is_list(key) else repr(value)
     got = _get(_load(key, text), key)
     assert got == (list(value) if isinstance(got, list) else value)
+
+
+def test_every_list_of_layers_slots_or_ids_refuses_a_member_named_twice():
+    unique = sorted(key for key in NUMERIC if OPTIONS[key][1].unique)
+    assert unique == ["model.target_layer_ids", "pipeline.bucket_boundaries"]
+    for key in unique:
+        with pytest.raises(ConfigError, match=rf"^{key}=\[3, 5, 3\] names 3 more than once; name each once$"):
+            _load(key, "[3, 5, 3]")
 
 
 @pytest.mark.parametrize("key", [k for k in NUMERIC if "None" in str(OPTIONS[k][0])])

@@ -43,7 +43,8 @@ class Range:
     ``ge``/``gt`` and ``le``/``lt`` are inclusive/exclusive bounds; every value must also be
     finite (nan and inf are refused everywhere). ``none`` says what leaving an ``X | None``
     option unset means, since 0 never stands for it; ``why`` explains a bound that is not
-    obvious. Both appear in the error message and in ``--help``.
+    obvious. Both appear in the error message and in ``--help``. ``unique``: the elements of a
+    list option must differ (a layer or slot named twice is a mistake, never a weighting).
     """
 
     ge: float | None = None
@@ -52,6 +53,7 @@ class Range:
     lt: float | None = None
     none: str = ""
     why: str = ""
+    unique: bool = False
 
     def __contains__(self, value: object) -> bool:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -82,6 +84,8 @@ class Range:
             text += f" ({self.why})"
         if self.none:
             text += f", or none {self.none}"
+        if self.unique:
+            text += ", each named once"
         return text
 
     def check(self, key: str, value: Any) -> None:
@@ -104,9 +108,10 @@ def check_text(key: str, value: str) -> None:
 
 
 def ranged(default: Any, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-           lt: float | None = None, none: str = "", why: str = "") -> Any:
+           lt: float | None = None, none: str = "", why: str = "", unique: bool = False) -> Any:
     """A dataclass field with its valid :class:`Range` (for a list option: of each element)."""
-    return field(default=default, metadata={"range": Range(ge=ge, gt=gt, le=le, lt=lt, none=none, why=why)})
+    return field(default=default, metadata={"range": Range(ge=ge, gt=gt, le=le, lt=lt, none=none, why=why,
+                                                           unique=unique)})
 
 
 @dataclass(kw_only=True)
@@ -149,7 +154,7 @@ class ModelConfig:
     """Drafter decoder layers."""
     block_size: int = ranged(16, ge=2, le=256)
     """Tokens per drafted block: 1 anchor + ``block_size - 1`` drafts."""
-    target_layer_ids: list[int] | None = ranged(None, ge=0, le=4095, none="for the reference rule")
+    target_layer_ids: list[int] | None = ranged(None, ge=0, le=4095, none="for the reference rule", unique=True)
     """Target layers whose outputs condition the drafter; default by the reference rule."""
     mask_token_id: int | None = ranged(None, ge=0, le=2**31 - 1, none="to resolve it")
     """Id of the mask token inside the target's embedding table; default resolved."""
@@ -271,7 +276,8 @@ class PipelineConfig:
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
     num_buckets: int = ranged(6, ge=1, le=1024)
-    bucket_boundaries: list[int] | None = ranged(None, ge=1, le=TOKENS_MAX, none="for quantiles of the data")
+    bucket_boundaries: list[int] | None = ranged(None, ge=1, le=TOKENS_MAX, none="for quantiles of the data",
+                                                 unique=True)
     """Explicit upper length bounds per bucket; default equal-count quantiles of the data."""
     tokens_per_batch: int = ranged(4096, ge=1, le=2**24)
     """Token budget per batch, counting padding (rows * padded length)."""
@@ -451,6 +457,14 @@ def is_numeric(tp: Any) -> bool:
     return _scalar_type(tp) in (int, float)
 
 
+def check_unique(key: str, values: list[Any] | tuple[Any, ...]) -> None:
+    """Raise :class:`ConfigError` naming ``key`` when a list option names a member twice."""
+    repeated = sorted({v for v in values if list(values).count(v) > 1})
+    if repeated:
+        raise ConfigError(f"{key}={list(values)} names {', '.join(map(str, repeated))} more than once; "
+                          "name each once")
+
+
 def check_ranges(cfg: Config) -> None:
     """Refuse any option outside its declared range, or an empty text, with a ConfigError
     naming the key (``training.betas[0]`` for an element of a list)."""
@@ -466,7 +480,9 @@ def check_ranges(cfg: Config) -> None:
         if scalar in (int, float):
             assert rng is not None, f"config option {key} declares no range: give it ranged(...)"
             if isinstance(value, (list, tuple)):
-                rng = dataclasses.replace(rng, none="")  # none is for the whole list, not an element
+                if rng.unique:
+                    check_unique(key, value)
+                rng = dataclasses.replace(rng, none="", unique=False)  # both are of the whole list
             for name, item in items:
                 rng.check(name, item)
         elif scalar is str:
