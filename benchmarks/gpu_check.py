@@ -44,7 +44,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ from dflash_trainer.flops import step_flops as model_step_flops
 from dflash_trainer.model.batch import Batch
 from dflash_trainer.model.blocks import sample_anchors
 from dflash_trainer.model.objective import DFlashObjective
+from dflash_trainer.model.shapes import FLEX_BLOCK, ShapeSizes
 from dflash_trainer.model.target import TargetOutputs
 
 BF16_REL_TOL = 2e-2
@@ -266,7 +267,9 @@ def _objective_pass(objective: DFlashObjective, batch: Batch,
 
 
 def _compare(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
-    out = {"hidden": rel_err(run["hidden"], ref["hidden"]),
+    # A padded run (pipeline.round_shapes) has the padding blocks' rows after the real ones.
+    hidden = run["hidden"][:, :ref["hidden"].shape[1]]
+    out = {"hidden": rel_err(hidden, ref["hidden"]),
            "loss": rel_err(run["loss"], ref["loss"])}
     if ref["grads"]:
         names = sorted(ref["grads"])
@@ -279,8 +282,25 @@ def _compare(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def _padded(objective: DFlashObjective, geom: Geometry) -> Iterator[None]:
+    """The objective padding its shapes as the trainer's does on CUDA (pipeline.round_shapes),
+    to sizes just above the batch's: both its width and its anchor count get padding."""
+    def above(n: int, unit: int) -> int:
+        return (n // unit + 1) * unit
+
+    objective.shape_sizes = ShapeSizes(widths=(above(geom.seq_len, FLEX_BLOCK),),
+                                       anchors=(above(geom.num_anchors, 8),))
+    objective.round_shapes = "always"
+    try:
+        yield
+    finally:
+        objective.shape_sizes, objective.round_shapes = None, "auto"
+
+
 def section_flex_vs_sdpa(st: Settings) -> Section:
-    """FlexAttention + BlockMask vs SDPA + dense mask in the drafter training forward."""
+    """FlexAttention + BlockMask (as it is and with padded shapes) vs SDPA + dense mask in the
+    drafter training forward."""
     geom = TINY if st.tiny else CHECK
     device = st.device
     cuda = device.type == "cuda"
@@ -298,13 +318,17 @@ def section_flex_vs_sdpa(st: Settings) -> Section:
         ref = _objective_pass(objective, batch, features, "sdpa", torch.float32, backward=True)
         sdpa = _objective_pass(objective, batch, features, "sdpa", st.dtype, backward=True)
         flex = _objective_pass(objective, batch, features, "flex", st.dtype, backward=True)
+        with _padded(objective, geom):
+            padded = _objective_pass(objective, batch, features, "flex", st.dtype,
+                                     backward=True)
         data["flex_vs_sdpa"] = _compare(flex, sdpa)
+        data["padded_flex_vs_sdpa"] = _compare(padded, sdpa)
         data["flex_vs_fp32"] = _compare(flex, ref)
         data["sdpa_vs_fp32"] = _compare(sdpa, ref)
         tol = BF16_REL_TOL
         keys = ("hidden", "loss", "grads")
         # Flex must agree with SDPA in bf16 and be no less accurate than SDPA against fp32.
-        ok = all(data["flex_vs_sdpa"][k] <= tol for k in keys) and all(
+        ok = all(data[f"{run}_vs_sdpa"][k] <= tol for k in keys for run in ("flex", "padded_flex")) and all(
             data["flex_vs_fp32"][k] <= 2 * data["sdpa_vs_fp32"][k] + 1e-3 for k in keys)
         fwd_bwd = {}
         for name in ("sdpa", "flex"):
@@ -315,7 +339,8 @@ def section_flex_vs_sdpa(st: Settings) -> Section:
         d = data["flex_vs_sdpa"]
         summary = (f"rel err flex vs sdpa (bf16): out {d['hidden']:.1e} loss {d['loss']:.1e} "
                    f"grads {d['grads']:.1e}; vs fp32 flex {data['flex_vs_fp32']['grads']:.1e} "
-                   f"sdpa {data['sdpa_vs_fp32']['grads']:.1e}")
+                   f"sdpa {data['sdpa_vs_fp32']['grads']:.1e}; padded flex vs sdpa grads "
+                   f"{data['padded_flex_vs_sdpa']['grads']:.1e}")
         note = f"{dropped} dropped blocks in the batch"
     else:
         sdpa = _objective_pass(objective, batch, features, "sdpa", torch.float32, backward=False)
@@ -324,11 +349,18 @@ def section_flex_vs_sdpa(st: Settings) -> Section:
             warnings.filterwarnings("ignore", message=".*flex_attention called without torch")
             flex = _objective_pass(objective, batch, features, "flex", torch.float32,
                                    backward=False)
+            with _padded(objective, geom):
+                padded = _objective_pass(objective, batch, features, "flex", torch.float32,
+                                         backward=False)
         data["flex_vs_sdpa"] = _compare(flex, sdpa)
+        data["padded_flex_vs_sdpa"] = _compare(padded, sdpa)
         tol = FP32_REL_TOL
-        ok = all(data["flex_vs_sdpa"][k] <= tol for k in ("hidden", "loss"))
+        ok = all(data[f"{run}_vs_sdpa"][k] <= tol for k in ("hidden", "loss")
+                 for run in ("flex", "padded_flex"))
         d = data["flex_vs_sdpa"]
-        summary = f"rel err flex vs sdpa (fp32, forward): out {d['hidden']:.1e} loss {d['loss']:.1e}"
+        summary = (f"rel err flex vs sdpa (fp32, forward): out {d['hidden']:.1e} loss "
+                   f"{d['loss']:.1e}; padded flex out "
+                   f"{data['padded_flex_vs_sdpa']['hidden']:.1e}")
         note = ("gradients skipped: FlexAttention has no CPU backward; "
                 f"{dropped} dropped blocks in the batch")
     data["tolerance"] = tol

@@ -18,7 +18,8 @@ from pathlib import Path
 
 
 def gpus_with_context(pid: int) -> list[int] | None:
-    """Indices of the GPUs where process ``pid`` holds a CUDA context (None: no nvidia-smi)."""
+    """Indices of the GPUs where process ``pid`` holds a CUDA context (None: no nvidia-smi,
+    or it lists no context of ``pid``, as in a container with its own PID namespace)."""
     if shutil.which("nvidia-smi") is None:
         return None
 
@@ -29,8 +30,9 @@ def gpus_with_context(pid: int) -> list[int] | None:
                 if line.strip()]
 
     index_of = {bus: int(index) for index, bus in query("--query-gpu=index,pci.bus_id")}
-    return sorted(index_of[bus] for app_pid, bus in query("--query-compute-apps=pid,gpu_bus_id")
-                  if int(app_pid) == pid)
+    found = sorted(index_of[bus] for app_pid, bus in query("--query-compute-apps=pid,gpu_bus_id")
+                   if int(app_pid) == pid)
+    return found or None
 
 
 def main() -> int:

@@ -100,8 +100,11 @@ def make_chat_file(path: Path, *, num: int = 32) -> Path:
 
 
 def run_overrides(root: Path, run_dir: Path, device: torch.device, *extra: str) -> list[str]:
-    """A short run on the folder's model and chat file, every step logged."""
+    """A short run on the folder's model and chat file, every step logged. SDPA: compiled
+    FlexAttention is the recompiles section's; here it would only add its compile time to
+    every process."""
     return [f"model.target={root / 'target'}", f"data.paths=[{root / 'chat.jsonl'}]",
+            "model.attention=sdpa",
             f"run_dir={run_dir}", f"data.cache_dir={root / 'cache'}", "data.max_length=128",
             "data.heldout_samples=0", "model.target_layer_ids=[0,1]",
             "pipeline.tokens_per_batch=256", "pipeline.num_buckets=2", "training.num_anchors=8",
@@ -229,5 +232,7 @@ def section_two_gpu(st: Settings) -> Section:
         notes.append("a stage thread outlived the pipeline")
     if not own_gpu_only:
         notes.append("a rank holds a context on another rank's GPU")
+    if cuda and any(c is None for c in contexts.values()):
+        notes.append("nvidia-smi lists no context of a rank (PID namespace?): not checked")
     return _section("two_gpu", status="ok" if ok else "FAIL", summary=summary,
                     note="; ".join(notes), data=data)

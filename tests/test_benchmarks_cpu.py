@@ -57,6 +57,7 @@ def test_gpu_check_dry_run_of_every_section_on_cpu(tmp_path: Path):
     flex = sections["flex_vs_sdpa"]
     assert flex["dropped_blocks"] > 0
     assert flex["flex_vs_sdpa"]["hidden"] < gpu_check.FP32_REL_TOL
+    assert flex["padded_flex_vs_sdpa"]["hidden"] < gpu_check.FP32_REL_TOL
     losses = sections["losses"]
     assert losses["pipelined"] == losses["sequential"], "CPU: bitwise the same steps"
     assert losses["bitwise_equal_steps"] == losses["steps"] > 0
