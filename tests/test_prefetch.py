@@ -285,6 +285,24 @@ def test_pin_memory_without_cuda_warns():
         make(ArrayDataset(LENGTHS), plan_for(), pin_memory=True)
 
 
+def test_pinning_workers_make_the_ranks_gpu_their_current_device(monkeypatch):
+    """A new thread starts on GPU 0: pinning there would give every rank a context on it."""
+    current: dict[str, object] = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device",
+                        lambda d: current.__setitem__(threading.current_thread().name, d))
+    monkeypatch.setattr(Batch, "pin_memory", lambda self: self)  # no CUDA build here
+    device = torch.device("cuda", 1)
+    pre, channels = make(ArrayDataset(LENGTHS), plan_for(), workers=2, pin_memory=True,
+                         device=device)
+    with Supervisor(pre.stop) as sup:
+        sup.add(pre)
+        sup.start()
+        batches = drain(channels)[0]
+    assert len(batches) == len(plan_for()(0))
+    assert current == {"prefetch/worker0": device, "prefetch/worker1": device}
+
+
 def test_a_plan_builder_that_returns_another_epoch_is_refused():
     stop = threading.Event()
     pre, channels = make(ArrayDataset(LENGTHS), lambda epoch: plan_for()(0), epochs=2, stop=stop)
