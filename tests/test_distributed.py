@@ -7,7 +7,9 @@
   gives the same features.
 - Trainer level (``torchrun ... -m dflash_trainer train``): a 2-rank run matches a 1-rank
   run whose every step is the union of the two ranks' batches; a 2-rank resume reproduces
-  the uninterrupted run; drafter=fsdp + target=fsdp trains like DDP.
+  the uninterrupted run; drafter=fsdp + target=fsdp trains like DDP; with target=fsdp, one
+  rank stopping before the other (SIGTERM, max_time_s, max_steps, leftover micro-batches)
+  still ends both without waiting for a collective's timeout.
 """
 
 from __future__ import annotations
