@@ -294,6 +294,43 @@ EMPTY_ANSWERS = {"messages": [{"role": "user", "content": "q"}, {"role": "assist
 
 
 
+# --- input kinds: links, loops, FIFOs, devices ----------------------------------------------------
+
+def _data_at(make: Callable[[Path], Path], *extra: str) -> Callable[[Path, Path], list[str]]:
+    """``prepare`` of the data path that ``make`` builds in the tmp folder."""
+    def argv(t: Path, d: Path) -> list[str]:
+        return ["prepare", *data_args(t, d, make(d), *extra)]
+    return argv
+
+
+def _loop(d: Path) -> Path:
+    (d / "a.jsonl").symlink_to(d / "b.jsonl")
+    (d / "b.jsonl").symlink_to(d / "a.jsonl")
+    return d / "a.jsonl"
+
+
+def _folder_with(extra: Callable[[Path], None]) -> Callable[[Path], Path]:
+    """A data folder holding one good file and what ``extra`` adds."""
+    def make(d: Path) -> Path:
+        folder = d / "data"
+        folder.mkdir()
+        make_chat_jsonl(folder / "good.jsonl", num=4)
+        extra(folder)
+        return folder
+    return make
+
+
+def _fifo(d: Path) -> Path:
+    import os
+
+    os.mkfifo(d / "pipe.jsonl")
+    return d / "pipe.jsonl"
+
+
+def _fifo_config(t: Path, d: Path) -> list[str]:
+    return ["prepare", "--config", str(_fifo(d)), *data_args(t, d, make_chat_jsonl(d / "chat.jsonl", num=4))]
+
+
 # --- nothing overwritten or resumed silently; one writer per folder: builders -------------------
 
 def _earlier_checkpoints(t: Path, d: Path) -> list[str]:
@@ -455,6 +492,33 @@ CASES = [
     Case("regenerate: bad option", lambda t, d: ["regenerate", "--out", str(d / "o.jsonl"),
                                                  "--backend", "openai"], 2,
          r"config error: --backend openai needs --server-url"),
+    # --- input kinds: every path a command reads is checked before it is opened ---
+    Case("prepare: a symlink loop as the data path", _data_at(_loop), 1,
+         r"data error: data.paths entry '.*a.jsonl': .*a.jsonl is a symlink loop \(.*a.jsonl -> .*b.jsonl -> "
+         r".*a.jsonl\); point the link at a real file or folder$"),
+    Case("prepare: a looping link inside a data folder",
+         _data_at(_folder_with(lambda f: (f / "loop").symlink_to(f / "loop"))), 1,
+         r"data error: data folder '.*data': .*data/loop is a symlink loop \(.*data/loop -> .*data/loop\)"),
+    Case("prepare: a link to a folder above it inside a data folder",
+         _data_at(_folder_with(lambda f: (f / "up").symlink_to(f))), 1,
+         r"data error: data folder '.*data': .*data/up is a symlink loop \(it leads back to .*data, a folder "
+         r"above it\); remove the link$"),
+    Case("prepare: a dangling link named like data inside a data folder",
+         _data_at(_folder_with(lambda f: (f / "gone.jsonl").symlink_to(f / "moved.jsonl"))), 1,
+         r"data error: data folder '.*data': .*gone.jsonl is a dangling symlink \(to .*moved.jsonl, which does "
+         r"not exist\)"),
+    Case("prepare: a FIFO as the data file (no hang)", _data_at(_fifo), 1,
+         r"data error: data.paths entry '.*pipe.jsonl': .*pipe.jsonl is not a regular file \(a FIFO\); reading "
+         r"it would block or never end: give a regular file or a folder$"),
+    Case("prepare: a FIFO inside a data folder", _data_at(_folder_with(lambda f: _fifo(f) and None)), 1,
+         r"data error: data folder '.*data': .*data/pipe.jsonl is not a regular file \(a FIFO\)"),
+    Case("prepare: a device as the data file", _data_at(lambda d: Path("/dev/zero")), 1,
+         r"data error: data.paths entry '/dev/zero': /dev/zero is not a regular file \(a character device\)"),
+    Case("prepare: a FIFO as --config", _fifo_config, 2,
+         r"config error: --config: .*pipe.jsonl is not a regular file \(a FIFO\)"),
+    Case("eval: a FIFO as the prompts file",
+         lambda t, d: _eval(f"eval.prompts={_fifo(d)}")(t, d), 1,
+         r"data error: eval.prompts: .*pipe.jsonl is not a regular file \(a FIFO\)"),
     # --- option ranges and CLI flags ---
     Case("train: training.lr=inf", _train("training.lr=inf"), 2,
          r"config error: training.lr must be in \(0, 1\], got inf$"),
@@ -890,3 +954,47 @@ def test_a_full_disk_stops_train_with_one_line_and_no_tmp_left(target: Path, tmp
         r"free space or make .* writable", errors[0]), result.stderr[-3000:]
     checkpoints = tmp_path / "run" / "checkpoints"
     assert not list(checkpoints.glob("*.tmp")) and not (checkpoints / "latest").exists()
+
+
+# --- unreadable inputs: "cannot read", never "cannot write" ----------------------------------------
+
+def _prepare_as_unprivileged(data: Path, cache: Path) -> tuple[int, str]:
+    """``prepare`` of ``data`` run where file modes bind: as root (which reads a mode-000 file
+    anyway) a subprocess without the capabilities that bypass them (setpriv), else in-process."""
+    import contextlib
+    import io
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    argv = ["prepare", "--data", str(data), f"data.cache_dir={cache}", "data.heldout_samples=0"]
+    if os.geteuid() != 0:
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            return cli_main(argv), err.getvalue()
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root needs setpriv (util-linux) to drop CAP_DAC_OVERRIDE")
+    caps = "-dac_override,-dac_read_search"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    result = subprocess.run(["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", sys.executable, "-m",
+                             "dflash_trainer", *argv], capture_output=True, text=True, timeout=120, check=False,
+                            env={**os.environ, "PYTHONPATH": src, "HF_HUB_OFFLINE": "1"})
+    return result.returncode, result.stderr
+
+
+@pytest.mark.parametrize("layout", ["file", "folder", "file in a folder"])
+def test_an_unreadable_input_is_cannot_read_with_its_path(layout: str, tmp_path: Path) -> None:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    secret = make_chat_jsonl(folder / "secret.jsonl", num=4)
+    locked = {"file": secret, "folder": folder, "file in a folder": secret}[layout]
+    locked.chmod(0)
+    try:
+        code, err = _prepare_as_unprivileged(secret if layout == "file" else folder, tmp_path / "cache")
+    finally:
+        locked.chmod(0o755)
+    errors = [line for line in err.splitlines() if line.startswith("dflash-trainer prepare: ")]
+    assert "Traceback" not in err and len(errors) == 1 and code == 1, err
+    assert re.match(rf"dflash-trainer prepare: data error: (data.paths entry|data folder) '.*': cannot read "
+                    rf"{re.escape(str(locked))}: Permission denied", errors[0]), errors[0]

@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 import textwrap
 import types
 import typing
@@ -23,6 +24,7 @@ from typing import Any, Literal
 import yaml
 
 from dflash_trainer.errors import ConfigError
+from dflash_trainer.inputs import check_input
 
 __all__ = ["COUNT_MAX", "DURATION_MAX_S", "TOKENS_MAX", "Config", "ConfigError", "Range", "check_text",
            "is_numeric", "load_config", "option_ranges", "ranged", "save_config", "upgrade_saved_config"]
@@ -650,8 +652,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if p.is_dir():
             raise ConfigError(f"--config {str(p)!r} is a folder; give a YAML file (e.g. "
                               "configs/demo-cpu.yaml)")
-        if not p.is_file():
+        if not os.path.lexists(p):
             raise ConfigError(f"config file {str(p)!r} does not exist")
+        check_input(p, what="--config", kind="file", error=ConfigError)
         try:
             loaded = yaml.safe_load(p.read_text(encoding="utf-8-sig"))
         except (yaml.YAMLError, UnicodeDecodeError) as exc:

@@ -21,6 +21,7 @@ domain.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -29,6 +30,7 @@ from pathlib import Path
 from dflash_trainer.config import Config
 from dflash_trainer.errors import ConfigError
 from dflash_trainer.errors import DataError
+from dflash_trainer.inputs import check_input
 
 __all__ = ["PROMPT_SETS", "EvalError", "EvalPrompt", "PromptSet", "heldout_prompts", "humaneval_prompts",
            "load_prompts", "load_source", "math_prompts", "mtbench_prompts", "prompt_from_messages",
@@ -193,8 +195,8 @@ def load_source(cfg: Config, source: str, *, key: str = "eval.prompts") -> list[
     the valid names for anything else."""
     if source in PROMPT_SETS:
         return PROMPT_SETS[source].load(cfg)
-    if Path(source).is_file():
-        return read_prompt_file(source)
+    if os.path.lexists(source):
+        return read_prompt_file(check_input(source, what=key, kind="file"))
     raise ConfigError(f"{key}={source!r}: not a prompt set ({', '.join(PROMPT_SETS)}) or an existing JSONL file")
 
 
@@ -239,7 +241,7 @@ def suite_prompts(cfg: Config, domains: Sequence[str] | None = None,
     if repeated:
         raise ConfigError(f"eval.suite names the domain {', '.join(repeated)} twice; name each once")
     for source in domains:  # every name checked before any set is read
-        if source not in PROMPT_SETS and not Path(source).is_file():
+        if source not in PROMPT_SETS and not os.path.lexists(source):
             raise ConfigError(f"eval.suite: {source!r} is not a prompt set ({', '.join(PROMPT_SETS)}) or an "
                               "existing JSONL file")
     suite = {}

@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from dflash_trainer import assets
 from dflash_trainer.errors import DataError
+from dflash_trainer.inputs import check_input, input_files
 
 EMBEDDED_SHAREGPT = "sharegpt"
 ROLE_ALIASES = {
@@ -157,10 +158,7 @@ def expand_paths(paths: list[str]) -> list[Source]:
                 raise DataError(f"data.paths entry 'sharegpt': {exc}") from exc
             sources.append(Source(path=path, kind="json", embedded=True, origin=entry))
             continue
-        path = Path(entry).expanduser()
-        if not path.exists():
-            raise DataError(f"data.paths entry {entry!r}: no such file or folder "
-                            f"(resolved to {path.resolve()})")
+        path = check_input(entry, what=f"data.paths entry {entry!r}")
         if path.is_dir():
             found = _expand_folder(path, entry)
         else:
@@ -219,10 +217,10 @@ def _expand_folder(folder: Path, origin: str) -> list[Source]:
         if not names:
             raise DataError(f"data folder {str(folder)!r} looks like a datasets save_to_disk "
                             "folder but has no data-*.arrow files")
-        return [Source(path=folder / name, kind="arrow", origin=origin) for name in names]
-    files = sorted(p for p in folder.rglob("*")
-                   if p.is_file() and p.suffix.lower() in FILE_SUFFIXES
-                   and not any(part.startswith(".") for part in p.relative_to(folder).parts))
+        return [Source(path=check_input(folder / name, what=f"data folder {str(folder)!r}", kind="file"),
+                       kind="arrow", origin=origin) for name in names]
+    files = input_files(folder, what=f"data folder {str(folder)!r}",
+                        accept=lambda p: p.suffix.lower() in FILE_SUFFIXES)
     if not files:
         raise DataError(f"data folder {str(folder)!r} contains no "
                         f"{', '.join(FILE_SUFFIXES)} files")
