@@ -331,6 +331,65 @@ def _fifo_config(t: Path, d: Path) -> list[str]:
     return ["prepare", "--config", str(_fifo(d)), *data_args(t, d, make_chat_jsonl(d / "chat.jsonl", num=4))]
 
 
+# --- library boundaries, broken on purpose: builders ----------------------------------------------
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+"""A JSON value nested 100,000 levels deep: beyond the decoder's recursion."""
+
+
+def _yaml_config(text: str) -> Callable[[Path, Path], list[str]]:
+    def argv(t: Path, d: Path) -> list[str]:
+        config = _write(d / "cfg.yaml", text.encode())
+        return ["prepare", "--config", str(config), *data_args(t, d, make_chat_jsonl(d / "chat.jsonl", num=4))]
+    return argv
+
+
+def _garbage_latest(content: bytes) -> Callable[[Path, Path], list[str]]:
+    """``--resume auto`` over a checkpoints folder whose only entry is a ``latest`` holding ``content``."""
+    def argv(t: Path, d: Path) -> list[str]:
+        (d / "run" / "checkpoints").mkdir(parents=True)
+        _write(d / "run" / "checkpoints" / "latest", content)
+        return train_args(t, d, make_chat_jsonl(d / "chat.jsonl", num=8), "checkpoint.resume=auto")
+    return argv
+
+
+def _narrow_vocabulary(t: Path, d: Path) -> Path:
+    """The target with 512 fewer embedding rows (48,640) than its tokenizer has tokens (49,152)."""
+    from transformers import LlamaForCausalLM
+
+    from dflash_trainer.assets import load_tokenizer
+
+    config = AutoConfig.from_pretrained(t)
+    config.vocab_size -= 512
+    LlamaForCausalLM(config).save_pretrained(d / "narrow")
+    load_tokenizer(t).save_pretrained(d / "narrow")
+    return d / "narrow"
+
+
+def _bert(t: Path, d: Path) -> Path:
+    """A tiny BERT (an encoder, BertForMaskedLM) with the target's tokenizer."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    from dflash_trainer.assets import load_tokenizer
+
+    BertForMaskedLM(BertConfig(vocab_size=49152, hidden_size=64, num_hidden_layers=3, num_attention_heads=2,
+                               intermediate_size=128)).save_pretrained(d / "bert")
+    load_tokenizer(t).save_pretrained(d / "bert")
+    return d / "bert"
+
+
+def _train_on(make_target: Callable[[Path, Path], Path]) -> Callable[[Path, Path], list[str]]:
+    def argv(t: Path, d: Path) -> list[str]:
+        return train_args(make_target(t, d), d, make_chat_jsonl(d / "chat.jsonl", num=8))
+    return argv
+
+
+def _config_json_list(t: Path, d: Path) -> Path:
+    (d / "mine").mkdir()
+    _write(d / "mine" / "config.json", b"[1, 2, 3]")
+    return d / "mine"
+
+
 # --- nothing overwritten or resumed silently; one writer per folder: builders -------------------
 
 def _earlier_checkpoints(t: Path, d: Path) -> list[str]:
@@ -519,6 +578,38 @@ CASES = [
     Case("eval: a FIFO as the prompts file",
          lambda t, d: _eval(f"eval.prompts={_fifo(d)}")(t, d), 1,
          r"data error: eval.prompts: .*pipe.jsonl is not a regular file \(a FIFO\)"),
+    # --- library boundaries broken on purpose: JSON, YAML, pointers, targets, output paths ---
+    Case("prepare: a JSON line nested 100,000 levels deep", _prepare("deep.jsonl", jsonl([chat(0)]) + DEEP + b"\n"),
+         1, r"data error: .*deep.jsonl:2 \(record 1\): invalid JSON: nested too deeply for the JSON decoder"),
+    Case("prepare: a JSON array element nested 100,000 levels deep",
+         _prepare("deep.json", b"[" + json.dumps(chat(0)).encode() + b", " + DEEP + b"]"), 1,
+         r"data error: .*deep.json:1 \(record 1\): invalid JSON: nested too deeply .*; the rest of the file is "
+         r"unreadable"),
+    Case("eval: a prompt nested 100,000 levels deep", _eval(prompts=b'{"prompt": "hi"}\n' + DEEP + b"\n"), 1,
+         r"data error: .*prompts.jsonl:2: not valid JSON \(nested too deeply for the JSON decoder\)$"),
+    Case("prepare: --config with two training sections",
+         _yaml_config("training:\n  lr: 0.001\nmodel:\n  num_layers: 1\ntraining:\n  epochs: 2\n"), 2,
+         r"config error: .*cfg.yaml:5:1: key 'training' given twice \(first at line 1\); YAML would keep only the "
+         r"last: merge them into one$"),
+    Case("prepare: --config with a YAML syntax error", _yaml_config("training:\n  lr: [0.1\nmodel: x\n"), 2,
+         r"config error: .*cfg.yaml:3:6: not valid YAML: while parsing a flow sequence expected ',' or ']', "
+         r"but got ':'$"),
+    Case("train: a latest pointer of binary garbage", _garbage_latest(b"\xff\xfe\x00garbage\x80"), 2,
+         r"checkpoint error: checkpoint.resume=auto: no complete checkpoint in .*checkpoints, but it holds "
+         r"latest \(damaged or partial"),
+    Case("train: a latest pointer naming a path outside", _garbage_latest(b"../../../etc\n"), 2,
+         r"checkpoint error: checkpoint.resume=auto: no complete checkpoint in .*checkpoints, but it holds latest"),
+    Case("train: a target whose embedding is smaller than its tokenizer", _train_on(_narrow_vocabulary), 1,
+         r"target error: target .*narrow: its embedding has 48640 rows, but its tokenizer has 49152 tokens \(ids up "
+         r"to 49151\); the weights and the tokenizer come from different models"),
+    Case("train: a BERT folder as target", _train_on(_bert), 1,
+         r"target error: target .*bert: not a decoder-only causal LM \(bert, architectures BertForMaskedLM\); "
+         r"DFlash drafts for a decoder-only causal LM"),
+    Case("eval: --out is an existing file",
+         lambda t, d: _eval("--out", str(_write(d / "results.txt", b"mine")))(t, d), 2,
+         r"config error: --out .*results.txt is an existing file; give the path of a folder"),
+    Case("export: --out holds a config.json that is a JSON list", _export_to(_config_json_list), 2,
+         r"config error: --out .*mine is a folder that holds other files \(config.json\), not a drafter export"),
     # --- option ranges and CLI flags ---
     Case("train: training.lr=inf", _train("training.lr=inf"), 2,
          r"config error: training.lr must be in \(0, 1\], got inf$"),
@@ -998,3 +1089,45 @@ def test_an_unreadable_input_is_cannot_read_with_its_path(layout: str, tmp_path:
     assert "Traceback" not in err and len(errors) == 1 and code == 1, err
     assert re.match(rf"dflash-trainer prepare: data error: (data.paths entry|data folder) '.*': cannot read "
                     rf"{re.escape(str(locked))}: Permission denied", errors[0]), errors[0]
+
+
+# --- a full disk under safetensors; a latest pointer in another encoding -----------------------------
+
+@pytest.fixture()
+def small_disk(tmp_path: Path):
+    """A 64 KiB tmpfs: a real ``No space left on device`` (ENOSPC) from the kernel (needs root)."""
+    import subprocess
+
+    folder = tmp_path / "small-disk"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)],
+                             capture_output=True, text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({mounted.stderr.strip()})")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_export_onto_a_full_disk_is_one_disk_error(target: Path, tmp_path: Path, small_disk: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    ckpt = checkpoint(tmp_path, target)
+    assert (ckpt / "drafter" / "model.safetensors").stat().st_size > 64 * 1024  # it cannot fit
+    out = small_disk / "export"
+    assert cli_main(["export", "--checkpoint", str(ckpt), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("dflash-trainer export: ")]
+    assert "Traceback" not in err and len(errors) == 1, err
+    assert re.match(rf"dflash-trainer export: disk error: cannot write {re.escape(str(out))}: No space left on "
+                    r"device; free space", errors[0]), errors[0]
+    assert list(small_disk.iterdir()) == []  # no export, no temporary folder left
+
+
+def test_a_latest_pointer_in_another_encoding_falls_back_to_the_step_folders(
+        target: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ckpt = checkpoint(tmp_path, target)
+    (ckpt.parent / "latest").write_text("step-2", encoding="utf-16")
+    with caplog.at_level(logging.WARNING, logger="dflash_trainer.checkpoint"):
+        assert resolve_resume("auto", ckpt.parent) == ckpt
+    assert "latest: it should name a step-N folder, but holds b'\\xff\\xfes\\x00t" in caplog.text

@@ -238,6 +238,23 @@ def checkpoint_names(ckpt_dir: Path) -> list[str]:
     return [p.name for p in steps] + ([LATEST] if (ckpt_dir / LATEST).exists() else [])
 
 
+def _read_pointer(pointer: Path) -> str | None:
+    """The ``step-N`` name a ``latest`` file holds, or None (warned) when it holds anything else:
+    bytes that are not ASCII, a path, or garbage never reach a path operation."""
+    if not pointer.is_file():
+        return None
+    raw = pointer.read_bytes()[:256]
+    try:
+        name = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        name = None
+    if name is None or step_of(name) is None:
+        log.warning("skipping %s: it should name a step-N folder, but holds %r (damaged); looking for "
+                    "the newest complete step-N folder instead", pointer, raw[:40])
+        return None
+    return name
+
+
 def find_resume_checkpoint(ckpt_dir: Path) -> Path | None:
     """Newest complete checkpoint: ``latest`` if valid, else the newest valid ``step-N``.
 
@@ -246,9 +263,9 @@ def find_resume_checkpoint(ckpt_dir: Path) -> Path | None:
     if not ckpt_dir.is_dir():
         return None
     candidates: list[Path] = []
-    pointer = ckpt_dir / LATEST
-    if pointer.is_file():
-        candidates.append(ckpt_dir / pointer.read_text().strip())
+    named = _read_pointer(ckpt_dir / LATEST)
+    if named is not None:
+        candidates.append(ckpt_dir / named)
     steps = sorted((p for p in ckpt_dir.iterdir() if p.is_dir() and step_of(p) is not None),
                    key=lambda p: step_of(p) or 0, reverse=True)
     candidates.extend(steps)

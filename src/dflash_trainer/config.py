@@ -644,6 +644,37 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, value
 
 
+class _DuplicateKey(yaml.MarkedYAMLError):
+    """A mapping that gives one key twice."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """The safe loader, refusing a key given twice in one mapping: PyYAML keeps the last one,
+    so a second ``training:`` section would drop the first without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first: dict[Any, yaml.Node] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # keys merged in with << are meant to be overridden
+            key = self.construct_object(key_node, deep=True)
+            if key in first:
+                raise _DuplicateKey(problem=f"key {key!r} given twice (first at line "
+                                            f"{first[key].start_mark.line + 1}); YAML would keep only the "
+                                            "last: merge them into one", problem_mark=key_node.start_mark)
+            first[key] = key_node
+        return super().construct_mapping(node, deep=deep)
+
+
+def _yaml_problem(path: Path, exc: yaml.MarkedYAMLError) -> str:
+    """``FILE:LINE:COLUMN: not valid YAML: PROBLEM`` (one line) of a YAML error with a position."""
+    mark = exc.problem_mark or exc.context_mark
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = " ".join(part for part in (exc.context, exc.problem) if part)
+    kind = "" if isinstance(exc, _DuplicateKey) else "not valid YAML: "
+    return f"{where}: {kind}{problem}"
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a config from a YAML file (optional) and apply dotted overrides."""
     raw: dict[str, Any] = {}
@@ -656,7 +687,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {str(p)!r} does not exist")
         check_input(p, what="--config", kind="file", error=ConfigError)
         try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8-sig"))
+            loaded = yaml.load(p.read_text(encoding="utf-8-sig"), Loader=_UniqueKeyLoader)  # a SafeLoader
+        except yaml.MarkedYAMLError as exc:
+            raise ConfigError(_yaml_problem(p, exc)) from exc
         except (yaml.YAMLError, UnicodeDecodeError) as exc:
             raise ConfigError(f"{p}: not valid YAML: {exc}") from exc
         if loaded is not None and not isinstance(loaded, dict):

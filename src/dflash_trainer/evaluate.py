@@ -56,6 +56,7 @@ from torch import nn
 from dflash_trainer.config import Config, save_config
 from dflash_trainer.data.tokenize import render_prompt
 from dflash_trainer.errors import CheckpointError, ConfigError
+from dflash_trainer.fsutil import check_output_folder
 from dflash_trainer.prompt_sets import PROMPT_SETS, EvalPrompt, load_prompts, suite_prompts
 from dflash_trainer.spec_decode import (Decoded, acceptance_spans, end_of_turn_ids, first_mismatch,
                                         piece_texts, speculative_generate, target_generate)
@@ -592,6 +593,8 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     """
     drafter_dir = Path(args.drafter)
     suite = bool(getattr(args, "suite", False))
+    if args.out:
+        check_output_folder(Path(args.out), what="--out")
     engine = getattr(args, "engine", None)
     if engine is not None:
         check_engine_option(engine, cfg)

@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from dflash_trainer.errors import DiskError
+from dflash_trainer.errors import ConfigError, DiskError
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +237,36 @@ def sha256_file(path: Path, *, chunk_size: int = 1 << 22) -> str:
         for chunk in iter(lambda: f.read(chunk_size), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def check_output_folder(out: Path, *, what: str) -> None:
+    """Refuse (:class:`ConfigError`, before any work) an output folder ``what`` names that is an
+    existing file or anything else but a folder; a missing one is created by its writer."""
+    if os.path.lexists(out) and not out.is_dir():
+        kind = "an existing file" if out.is_file() else "not a folder (a dangling link or a special file)"
+        raise ConfigError(f"{what} {out} is {kind}; give the path of a folder (new, or one that holds "
+                          "earlier results)")
+
+
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)|Os \{ code: (\d+)")
+"""How Rust's std::io::Error prints an errno: ``... (os error 28)`` or its Debug ``Os { code: 28, ... }``."""
+
+
+def save_safetensors(tensors: dict, path: Path, *, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, with a failed write raised as the ``OSError`` it is: the
+    library reports a full disk as ``SafetensorError: ... No space left on device (os error 28)``,
+    which :func:`disk_error` would not recognise."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as exc:
+        found = _RUST_OS_ERROR.search(str(exc))
+        if found is None:
+            raise
+        code = int(found.group(1) or found.group(2))
+        raise OSError(code, os.strerror(code), str(path)) from exc
 
 
 def step_name(step: int) -> str:

@@ -158,6 +158,8 @@ def read_prompt_file(path: str | Path) -> list[EvalPrompt]:
         where = f"{path}:{line_no}"
         try:
             record = json.loads(line)
+        except RecursionError as exc:
+            raise EvalError(f"{where}: not valid JSON (nested too deeply for the JSON decoder)") from exc
         except json.JSONDecodeError as exc:
             raise EvalError(f"{where}: not valid JSON ({exc})") from exc
         if not isinstance(record, dict):

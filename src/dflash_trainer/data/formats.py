@@ -365,6 +365,11 @@ def _tokenized(raw: dict, location: Location) -> Record:
 RawItem = tuple[Location, Any]
 
 
+TOO_DEEP = ("invalid JSON: nested too deeply for the JSON decoder (more levels of [ and { than the "
+            "interpreter's recursion limit); no chat record is nested like that: check how the file was made")
+"""The message of a record nested beyond the decoder's recursion (``RecursionError``)."""
+
+
 def _undecodable(text: str) -> str | None:
     """A message naming the first non-UTF-8 byte of ``text`` (decoded with surrogateescape)."""
     found = _UNDECODABLE.search(text)
@@ -395,6 +400,8 @@ def _jsonl_records(path: Path, stats: SourceStats) -> Iterator[RawItem]:
                 continue
             try:
                 yield location, json.loads(line)
+            except RecursionError:
+                yield location, Rejected("malformed", TOO_DEEP, location)
             except json.JSONDecodeError as exc:
                 pretty = ("; the file looks pretty-printed, but JSON Lines needs one whole object per "
                           "line" if line.strip() in ("{", "[") else "")
@@ -462,6 +469,10 @@ def _json_records(path: Path, stats: SourceStats) -> Iterator[RawItem]:
                 continue
             try:
                 obj, end = decoder.raw_decode(buf, pos)
+            except RecursionError:
+                stats.stopped_at_error = True
+                yield location, Rejected("malformed", f"{TOO_DEEP}; the rest of the file is unreadable", location)
+                return
             except json.JSONDecodeError as exc:
                 if not eof:
                     refill(pos, max(_CHUNK_CHARS, len(buf)))
@@ -505,6 +516,8 @@ def _refuse_pretty_printed(path: Path, buf: str, pos: int) -> None:
         return
     try:
         json.loads(first_line)
+    except RecursionError:
+        return  # one deeply nested record: the JSON Lines reader reports it
     except json.JSONDecodeError as exc:
         line = 1 + buf.count("\n", 0, pos)
         raise DataError(f"{path}:{line}: not a JSON array, and its first line is not a complete JSON "

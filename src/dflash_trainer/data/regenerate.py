@@ -178,7 +178,7 @@ def recover_output(path: str | Path) -> set[str]:
             try:
                 record = json.loads(line)
                 ok = isinstance(record, dict) and isinstance(record.get("id"), str)
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
                 ok = False
             complete = line.endswith(b"\n")
             if not ok:

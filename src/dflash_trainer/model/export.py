@@ -33,14 +33,13 @@ from typing import Any
 import torch
 import transformers
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from transformers import PretrainedConfig
 
 from dflash_trainer.assets import first_line
 from dflash_trainer.checkpoint import MANIFEST, validate_checkpoint
 from dflash_trainer.config import Config
 from dflash_trainer.errors import CheckpointError, ConfigError
-from dflash_trainer.fsutil import write_dir_atomically
+from dflash_trainer.fsutil import save_safetensors, write_dir_atomically
 from dflash_trainer.model import modeling
 from dflash_trainer.model.drafter import (ARCHITECTURES, SIGNATURE_KEY, check_compatible, drafter_class,
                                           drafter_variant, text_config)
@@ -147,7 +146,7 @@ def export_drafter(model: DFlashDraftModel, out_dir: str | Path, *, target_confi
 
     def write(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_safetensors(weights, tmp / "model.safetensors", metadata={"format": "pt"})
         for source in MODELING_FILES[drafter_variant(model.config)]:
             shutil.copyfile(source, tmp / source.name)
 
@@ -178,10 +177,11 @@ def check_export_destination(out: Path, *, overwrite: bool, flag: str = "") -> N
 
 def _is_export(path: Path) -> bool:
     try:
-        names = json.loads((path / "config.json").read_text()).get("architectures", [])
-        return any(name in names for name in ARCHITECTURES.values())
-    except (OSError, ValueError):
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError, RecursionError):
         return False
+    names = config.get("architectures") if isinstance(config, dict) else None
+    return isinstance(names, list) and any(name in names for name in ARCHITECTURES.values())
 
 
 def _weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:

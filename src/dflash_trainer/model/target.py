@@ -50,6 +50,7 @@ def load_target(path: str, *, device: torch.device | str, dtype: torch.dtype) ->
         raise TargetError(f"target {path}: no model weights in the folder (model.safetensors, "
                           f"pytorch_model.bin or a sharded index; it holds {present}); copy the weights "
                           "into it or give the complete model folder")
+    _refuse_non_causal(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except torch.OutOfMemoryError:
@@ -59,16 +60,49 @@ def load_target(path: str, *, device: torch.device | str, dtype: torch.dtype) ->
                           f"{first_line(exc)}); its weights are truncated, damaged or do not match its "
                           "config.json: copy or download the model again") from exc
     decoder_layers(model)
+    tokenizer = load_tokenizer(path)
+    check_vocabulary(model, tokenizer, path)
     model.to(device).eval().requires_grad_(False)
-    return model, load_tokenizer(path)
+    return model, tokenizer
+
+
+def _refuse_non_causal(path: str) -> None:
+    """TargetError when config.json names only architectures that are no causal LM (BERT's
+    ``BertForMaskedLM``): transformers would build another head on top, or fail deep inside."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError):
+        return  # from_pretrained below names what is wrong with the folder
+    names = list(getattr(config, "architectures", None) or [])
+    causal = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    encoder_decoder = bool(getattr(config, "is_encoder_decoder", False))
+    if encoder_decoder or (names and not causal.intersection(names)):
+        shape = ", an encoder-decoder" if encoder_decoder else ""
+        raise TargetError(f"target {path}: not a decoder-only causal LM ({config.model_type}, architectures "
+                          f"{', '.join(names) or 'unnamed'}{shape}); DFlash drafts for a decoder-only causal LM "
+                          "(Llama, Qwen2, Qwen3, Mistral, ...)")
+
+
+def check_vocabulary(model: nn.Module, tokenizer: Any, path: str) -> None:
+    """TargetError when the tokenizer gives ids past the target's embedding table (its rows):
+    the first such token would fail deep inside the forward with an IndexError."""
+    rows = input_embedding_weight(model).shape[0]
+    if len(tokenizer) > rows:
+        raise TargetError(f"target {path}: its embedding has {rows} rows, but its tokenizer has {len(tokenizer)} "
+                          f"tokens (ids up to {len(tokenizer) - 1}); the weights and the tokenizer come from "
+                          "different models: give the tokenizer the weights were trained with")
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """``model.model.layers`` of an HF decoder (Llama, Qwen2/3, Mistral, ...), or a clear error."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise TargetError(f"target {type(model).__name__} has no model.model.layers: only HF decoder-only "
-                          f"causal LMs with that layout (Llama, Qwen2, Qwen3, Mistral, ...) are supported")
+        raise TargetError(f"target {type(model).__name__} is not a decoder-only causal LM with the Llama layout "
+                          "(its decoder layers at model.model.layers): Llama, Qwen2, Qwen3, Mistral, ... are "
+                          "supported")
     return layers
 
 
