@@ -415,6 +415,29 @@ def _data_edited_in_place(t: Path, d: Path) -> list[str]:
     return train_args(t, d, data, "checkpoint.resume=auto")
 
 
+def edit_one_byte_keeping_size_and_mtime(path: Path) -> None:
+    """Change one letter of the first answer in place (same inode and size), then put the old
+    mtime back, as ``cp -p``, ``rsync -t`` or a restored backup do."""
+    import os
+
+    stat = path.stat()
+    data = path.read_bytes()
+    at = data.index(b"answer") if b"answer" in data else data.rindex(b'"') - 1
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(b"A" if data[at:at + 1] != b"A" else b"B")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (stat.st_size, stat.st_mtime_ns)
+
+
+def _one_byte_edited_in_place(t: Path, d: Path) -> list[str]:
+    """A real one-step run, then one byte of its data changed with size and mtime kept."""
+    data = _write(d / "chat.jsonl", jsonl([chat(i) for i in range(8)]))
+    assert cli_main(train_args(t, d, data)) == 0
+    edit_one_byte_keeping_size_and_mtime(data)
+    return train_args(t, d, data, "checkpoint.resume=auto")
+
+
 def _run_dir_in_use(t: Path, d: Path) -> list[str]:
     """The run folder locked by another process (it lets go after 30 s)."""
     import os
@@ -699,6 +722,10 @@ CASES = [
          r"checkpoint error: cannot resume from .*step-1: the training data changed since the "
          r"checkpoint: its token store held 8 samples with content sha256 [0-9a-f]{16} .*, the data "
          r"now gives 12 samples"),
+    Case("train: resume after a one-byte edit that kept size and mtime", _one_byte_edited_in_place, 2,
+         r"checkpoint error: cannot resume from .*step-1: the training data changed since the "
+         r"checkpoint: its token store held 8 samples with content sha256 [0-9a-f]{16} .*, the data "
+         r"now gives 8 samples"),
     Case("train: run folder in use by another process", _run_dir_in_use, 1,
          r"lock error: run folder .*run is in use by pid \d+ on .*; wait for it to finish or stop "
          r"it, or choose another run_dir"),
@@ -808,7 +835,7 @@ def test_train_prints_the_counts_its_messages_point_to(target: Path, tmp_path: P
                                "model.target_layer_ids=[9]")) == 2
     err = capsys.readouterr().err
     assert "data: 7 records read (+0 held out), 6 kept, 1 dropped (malformed 1)" in err
-    store = next((tmp_path / "cache").iterdir())
+    (store,) = [p for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")]
     dropped = [json.loads(line) for line in (store / "dropped.jsonl").read_text().splitlines()]
     assert dropped == [{"reason": "malformed",
                         "message": f"{data}:7 (record 6): invalid JSON: Expecting property name "
@@ -1131,3 +1158,18 @@ def test_a_latest_pointer_in_another_encoding_falls_back_to_the_step_folders(
     with caplog.at_level(logging.WARNING, logger="dflash_trainer.checkpoint"):
         assert resolve_resume("auto", ckpt.parent) == ckpt
     assert "latest: it should name a step-N folder, but holds b'\\xff\\xfes\\x00t" in caplog.text
+
+
+def test_a_one_byte_edit_that_keeps_size_and_mtime_builds_a_new_token_store(
+        target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _write(tmp_path / "chat.jsonl", jsonl([chat(i) for i in range(4)]))
+    argv = ["prepare", *data_args(target, tmp_path, data)]
+    assert cli_main(argv) == 0
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "1 unchanged since their last hash" in out and "reusing the token store" in out
+    edit_one_byte_keeping_size_and_mtime(data)
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "prepare: content hash of 1 data file(s): 1 hashed" in out and "reusing" not in out, out
+    assert len([p for p in (tmp_path / "cache").iterdir() if not p.name.startswith(".")]) == 2

@@ -74,15 +74,37 @@ def test_concurrent_builders_keep_the_first_store(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
 
 
+def test_a_one_byte_edit_that_keeps_size_and_mtime_changes_the_fingerprint(tmp_path):
+    """``cp -p``, rsync or a restored backup: same size, the old mtime put back; the memo of the
+    hash must not answer for the new bytes."""
+    import os
+
+    cache = tmp_path / "cache"
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"a": "hello"}\n')
+    first, memoised = file_fingerprint(path, cache)
+    assert not memoised and file_fingerprint(path, cache) == (first, True)  # the shortcut, unchanged file
+    stat = path.stat()
+    with open(path, "r+b") as f:  # in place: same inode
+        f.seek(8)
+        f.write(b"j")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns, path.stat().st_ino) == \
+        (stat.st_size, stat.st_mtime_ns, stat.st_ino)
+    second, memoised = file_fingerprint(path, cache)
+    assert not memoised and second["sha256"] != first["sha256"]
+    assert json.loads((cache / ".file-sha256.json").read_text())[str(path.resolve())]["sha256"] == second["sha256"]
+
+
 def test_fingerprints_change_with_their_inputs(tmp_path):
     assert fingerprint({"a": 1, "b": [1, 2]}) == fingerprint({"b": [1, 2], "a": 1})
     assert fingerprint({"a": 1}) != fingerprint({"a": 2})
 
     path = tmp_path / "d.jsonl"
     path.write_text("{}\n")
-    before = file_fingerprint(path)
+    before, _ = file_fingerprint(path, tmp_path / "cache")
     path.write_text("{}\n{}\n")
-    assert file_fingerprint(path) != before
+    assert file_fingerprint(path, tmp_path / "cache")[0] != before
 
     backend = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()

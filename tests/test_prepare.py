@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 
 import numpy as np
 import pytest
@@ -152,7 +153,8 @@ def test_malformed_user_data_raises_by_default(tmp_path, data, smol):
     cfg = _cfg(tmp_path, data, "data.on_error=auto")
     with pytest.raises(DataError, match=r"chats\.jsonl:8 \(record 7\): invalid JSON"):
         build_dataset(cfg, tokenizer=smol, log=None)
-    assert not list((tmp_path / "cache").glob("*"))  # nothing half-written is left
+    # Nothing half-written is left (the memo of the data file's hash is complete, and kept).
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [".file-sha256.json"]
 
 
 def test_tokenizer_without_chat_template(tmp_path, data, smol):
@@ -179,6 +181,8 @@ def test_cli_prepare_end_to_end_on_the_embedded_sharegpt(tmp_path, capsys):
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     assert "records read                 40   (+4 held out for evaluation)" in out
+    # The store is named by the bytes of the 125.5 MB file: hashed once, with its cost printed.
+    assert re.search(r"prepare: content hash of 1 data file\(s\): 1 hashed \(125.5 MB\) in \d+\.\d\d s", out), out
     (store_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
     stats = json.loads((store_dir / "stats.json").read_text())
     assert stats["records_read"] == 40 and stats["kept"] > 20 and not stats["reused"]
@@ -186,7 +190,8 @@ def test_cli_prepare_end_to_end_on_the_embedded_sharegpt(tmp_path, capsys):
     lengths = np.diff(np.load(store_dir / "offsets.npy"))
     assert lengths.max() <= 1024 and stats["total_tokens"] == int(lengths.sum())
     assert cli_main(args) == 0
-    assert "reused" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "reused" in out and "0 hashed (0.0 MB)" in out and "1 unchanged since their last hash" in out
 
 
 def test_cli_prepare_reports_a_missing_path(tmp_path, capsys):

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer.errors import TargetError
-from dflash_trainer.fsutil import atomic_write_text, sha256_file, write_dir_atomically
+from dflash_trainer.fsutil import atomic_write_text, memoised_sha256, write_dir_atomically
 
 __all__ = ["AssetError", "atomic_write_text", "cache_root", "file_sha256", "first_line", "load_tokenizer",
            "resolve_target", "write_dir_atomically"]
@@ -162,21 +162,9 @@ def champ_problems() -> list[dict[str, str]]:
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 of a file, memoised by (size, mtime) in a sidecar JSON under :func:`cache_root`."""
-    path = Path(path).resolve()
-    stat = path.stat()
-    memo_path = cache_root() / "sha256-memo.json"
-    try:
-        memo = json.loads(memo_path.read_text())
-    except (OSError, ValueError):
-        memo = {}
-    entry = memo.get(str(path))
-    if entry and entry.get("size") == stat.st_size and entry.get("mtime_ns") == stat.st_mtime_ns:
-        return entry["sha256"]
-    digest = sha256_file(path)
-    memo[str(path)] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
-    atomic_write_text(memo_path, json.dumps(memo, indent=1))
-    return digest
+    """sha256 of a file, memoised (:func:`~dflash_trainer.fsutil.memoised_sha256`) in a sidecar
+    JSON under :func:`cache_root`."""
+    return memoised_sha256(path, cache_root() / "sha256-memo.json")[0]
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:

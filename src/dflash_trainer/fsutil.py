@@ -269,6 +269,34 @@ def save_safetensors(tensors: dict, path: Path, *, metadata: dict[str, str] | No
         raise OSError(code, os.strerror(code), str(path)) from exc
 
 
+def memoised_sha256(path: Path, memo_path: Path) -> tuple[str, bool]:
+    """sha256 of a file's bytes, and whether the memo in ``memo_path`` (a JSON object by
+    resolved path) answered it instead of a read.
+
+    The memo is a shortcut only: an entry answers while the file's size, mtime, inode *and*
+    ctime are those it was hashed at. ctime is what makes that safe: ``cp -p``, ``rsync -t``,
+    ``touch -r`` or a restored backup put back the size and mtime of an edited file, but the
+    kernel sets ctime on every write and no tool can set it back. Any change rehashes, and the
+    new hash replaces the entry. A memo that cannot be read or written only costs the hashing.
+    """
+    resolved = Path(path).resolve()
+    info = resolved.stat()
+    stamp = {"size": info.st_size, "mtime_ns": info.st_mtime_ns, "inode": info.st_ino,
+             "ctime_ns": info.st_ctime_ns}
+    memo = read_json_cache(memo_path, what="file hash memo")
+    entry = memo.get(str(resolved))
+    if isinstance(entry, dict) and all(entry.get(k) == v for k, v in stamp.items()) \
+            and isinstance(entry.get("sha256"), str):
+        return entry["sha256"], True
+    digest = sha256_file(resolved)
+    memo[str(resolved)] = {**stamp, "sha256": digest}
+    try:
+        atomic_write_text(memo_path, json.dumps(memo, indent=1))
+    except OSError as exc:
+        log.warning("cannot keep the file hash memo %s (%s); hashing again next time", memo_path, exc)
+    return digest, False
+
+
 def step_name(step: int) -> str:
     """The folder name of a checkpoint at optimizer step ``step``: ``step-N``."""
     return f"step-{step}"

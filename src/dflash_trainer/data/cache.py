@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from dflash_trainer.fsutil import DISK_FIX, sha256_file, write_dir_atomically
+from dflash_trainer.fsutil import DISK_FIX, memoised_sha256, sha256_file, write_dir_atomically
 from dflash_trainer.locks import FolderLock
 
 FORMAT_VERSION = 1
@@ -74,10 +74,16 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return digest.hexdigest()[:24]
 
 
-def file_fingerprint(path: Path) -> dict[str, Any]:
-    """Identity of a data file by resolved path, size and modification time."""
-    stat = Path(path).stat()
-    return {"path": str(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+HASH_MEMO = ".file-sha256.json"
+"""The memo of data files' content hashes, in the token cache folder (:func:`file_fingerprint`)."""
+
+
+def file_fingerprint(path: Path, cache: Path) -> tuple[dict[str, Any], bool]:
+    """Identity of a data file by resolved path and content (sha256 of its bytes, never its
+    size and mtime alone: an edit that keeps both is a new store), and whether the memo in the
+    token cache folder ``cache`` answered it (see :func:`~dflash_trainer.fsutil.memoised_sha256`)."""
+    digest, memoised = memoised_sha256(path, cache / HASH_MEMO)
+    return {"path": str(Path(path).resolve()), "size": Path(path).stat().st_size, "sha256": digest}, memoised
 
 
 class TokenStoreWriter:
