@@ -933,7 +933,8 @@ def test_a_disk_error_while_closing_after_a_failure_is_one_line(
 
 class BadServer(ThreadingHTTPServer):
     """An OpenAI-compatible server on 127.0.0.1 whose chat answers follow ``script``: one mode per
-    request (``hang``, ``garbage``, ``no-choices``, ``null``, ``empty``), then ``ok``."""
+    request (``hang``, ``garbage``, ``no-choices``, ``null``, ``empty``, ``500``, ``reset``), then
+    ``ok``."""
 
     daemon_threads = True
 
@@ -947,6 +948,9 @@ class BadServer(ThreadingHTTPServer):
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that gave up on a hung answer closed its end: expected here
 
     def next_mode(self) -> str:
         with self.lock:
@@ -973,6 +977,18 @@ class BadHandler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
         mode = self.server.next_mode()
+        if mode == "500":
+            self.send_error(500, "model crashed")
+            return
+        if mode == "reset":
+            # SO_LINGER 0: close() sends a TCP RST, as a crashed or restarted server does.
+            import socket
+            import struct
+
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.connection.close()
+            self.close_connection = True
+            return
         if mode == "hang":
             time.sleep(self.server.hang_s)  # bounded: the client gave up long before
         if mode == "garbage":
@@ -1042,6 +1058,45 @@ def test_cli_request_timeout_and_allow_empty(server: BadServer, tmp_path: Path) 
                      str(data), "--out", str(out), "--request-timeout", "5",
                      "--allow-empty"]) == 0
     assert json.loads(out.read_text())["messages"][-1] == {"role": "assistant", "content": ""}
+
+
+class FastRetries(OpenAIBackend):
+    """The CLI's backend with millisecond backoff: the same retries, without their waits."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "backoff_s": 0.001})
+
+
+ATTEMPTS = 6
+"""Requests the backend makes for one conversation (1 + its 5 retries)."""
+
+
+@pytest.mark.parametrize("server", [(["500"] * ATTEMPTS + ["garbage"] * ATTEMPTS + ["no-choices"] * ATTEMPTS
+                                     + ["null"] + ["reset"] * ATTEMPTS + ["hang"] * ATTEMPTS, 1.0)],
+                         indirect=True)
+def test_regenerate_names_the_cause_of_each_failure(server: BadServer, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seven conversations, one at a time: each of the first six fails every attempt in its own
+    way, the seventh is answered. The summary counts each cause and names the first failure;
+    the failures file has the same causes; the exit status is 1 (some conversations failed)."""
+    import dflash_trainer.data.regenerate as regenerate_module
+
+    monkeypatch.setattr(regenerate_module, "OpenAIBackend", FastRetries)
+    data = _write(tmp_path / "chat.jsonl", jsonl([chat(i) for i in range(7)]))
+    out = tmp_path / "o.jsonl"
+    code = cli_main(["regenerate", "--backend", "openai", "--server-url", server.url, "--data", str(data),
+                     "--out", str(out), "--request-timeout", "0.2", "--concurrency", "1"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    causes = ["HTTP 500", "invalid JSON", "not a chat completion", "empty content", "connection reset", "timeout"]
+    assert "  failed by cause: " + ", ".join(f"{c} 1" for c in sorted(causes)) in err, err
+    first = re.search(r"  first failure: (.*)", err)
+    assert first and re.match(r"\S+: HTTP 500: POST http://127.0.0.1:\d+/v1/chat/completions: failed after 6 "
+                              r"attempts; last error: HTTP 500", first.group(1)), err
+    listed = [json.loads(line) for line in (tmp_path / "o.failures.jsonl").read_text().splitlines()]
+    assert [r["cause"] for r in listed] == causes
+    assert len(out.read_text().splitlines()) == 1
 
 
 @pytest.mark.slow

@@ -29,11 +29,32 @@ the conversation fails, instead of the run looking frozen."""
 
 
 class GenerationError(RuntimeError):
-    """One prompt could not be answered (too long, rejected by the server, retries exhausted)."""
+    """One prompt could not be answered (too long, rejected by the server, retries exhausted).
+
+    ``cause`` names the kind of failure in a few words, the same for every conversation that
+    failed alike, so that a run can count them: ``HTTP 500``, ``timeout``, ``invalid JSON``,
+    ``not a chat completion``, ``empty content``, ``connection reset``, ``connection refused``;
+    ``input`` for a conversation that cannot be asked at all."""
+
+    def __init__(self, message: str, *, cause: str = "input") -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 class _MalformedBody(Exception):
     """A 200 answer whose body is not a chat completion: retried like a 5xx."""
+
+
+def transport_cause(exc: Exception) -> str:
+    """The cause (see :class:`GenerationError`) of an ``httpx`` transport failure."""
+    if isinstance(exc, httpx.TimeoutException):
+        return "timeout"
+    if isinstance(exc, httpx.ConnectError):
+        return "connection refused"
+    if isinstance(exc, (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)):
+        # The server closed or reset the connection before a whole answer came back.
+        return "connection reset"
+    return type(exc).__name__
 
 
 def check_answer(generation: Generation, *, allow_empty: bool) -> Generation:
@@ -41,7 +62,7 @@ def check_answer(generation: Generation, *, allow_empty: bool) -> Generation:
     unless ``allow_empty`` (an empty assistant turn teaches the drafter nothing but the end)."""
     if not allow_empty and not generation.text.strip():
         raise GenerationError("the target answered with an empty text (pass --allow-empty to "
-                              "keep such turns)")
+                              "keep such turns)", cause="empty content")
     return generation
 
 
@@ -154,7 +175,7 @@ class TransformersBackend:
         if limit is not None and len(ids) + self.sampling.max_new_tokens > limit:
             raise GenerationError(
                 f"prompt has {len(ids)} tokens; with max_new_tokens="
-                f"{self.sampling.max_new_tokens} it exceeds the target's context of {limit}")
+                f"{self.sampling.max_new_tokens} it exceeds the target's context of {limit}", cause="prompt too long")
         return ids
 
     def generate(self, prompts: Sequence[Sequence[int]]) -> list[Generation]:
@@ -265,6 +286,7 @@ class OpenAIBackend:
         bodies that are not JSON or that ``parse`` rejects with ``_MalformedBody``."""
         url = self.base_url + path
         last = ""
+        cause = "stopped"
         for attempt in range(self.max_retries + 1):
             if attempt:
                 delay = self.backoff_s * 2 ** (attempt - 1) * (0.5 + random.random())
@@ -276,23 +298,28 @@ class OpenAIBackend:
                 response = self.client.request(method, url, json=payload)
             except (httpx.TransportError, RuntimeError) as exc:
                 # RuntimeError: the client was closed by close() while this thread waited.
-                last = f"{type(exc).__name__}: {exc}"
+                last, cause = f"{type(exc).__name__}: {exc}", transport_cause(exc)
                 continue
             if response.status_code == 429 or response.status_code >= 500:
-                last = f"HTTP {response.status_code}: {response.text[:300]}"
+                last, cause = f"HTTP {response.status_code}: {response.text[:300]}", f"HTTP {response.status_code}"
                 continue
             if response.status_code != 200:
                 raise GenerationError(f"{method} {url}: HTTP {response.status_code}: "
-                                      f"{response.text[:500]}")
+                                      f"{response.text[:500]}", cause=f"HTTP {response.status_code}")
             try:
-                return parse(response.json())
-            except (ValueError, _MalformedBody) as exc:
-                last = f"malformed answer ({exc}): {response.text[:300]!r}"
+                body = response.json()
+            except ValueError as exc:
+                last, cause = f"invalid JSON ({exc}): {response.text[:300]!r}", "invalid JSON"
+                continue
+            try:
+                return parse(body)
+            except _MalformedBody as exc:
+                last, cause = f"{exc}: {response.text[:300]!r}", "not a chat completion"
                 continue
         if self.stop.is_set():
-            raise GenerationError(f"{method} {url}: stopped")
+            raise GenerationError(f"{method} {url}: stopped", cause="stopped")
         raise GenerationError(f"{method} {url}: failed after {self.max_retries + 1} attempts; "
-                              f"last error: {last}")
+                              f"last error: {last}", cause=cause)
 
 
 def _parse_completion(body: Any) -> Generation:

@@ -25,7 +25,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -329,6 +329,10 @@ class RegenerateSummary:
     out: str = ""
     failures_path: str | None = None
     """The failures file, when there were failures."""
+    causes: dict[str, int] = field(default_factory=dict)
+    """Failed conversations per cause (``HTTP 500``, ``timeout``, ... see ``GenerationError``)."""
+    first_failure: str | None = None
+    """The first failed conversation: its id, cause and error."""
     interrupted: bool = False
     """Stopped by Ctrl-C; the conversations in flight were not written."""
 
@@ -342,6 +346,10 @@ class RegenerateSummary:
         if self.trimmed_leading or self.dropped_turns:
             lines.append(f"  dropped: {self.trimmed_leading} assistant messages before the first user "
                          f"turn, {self.dropped_turns} turns past --max-turns")
+        if self.causes:
+            counts = ", ".join(f"{cause} {n}" for cause, n in sorted(self.causes.items(), key=lambda c: (-c[1], c[0])))
+            lines.append(f"  failed by cause: {counts}")
+            lines.append(f"  first failure: {self.first_failure}")
         if self.failures_path:
             lines.append(f"  failures listed in {self.failures_path}; rerun to retry them")
         if self.interrupted:
@@ -378,21 +386,26 @@ class _Run:
         self.progress.update()
 
     def rejected(self, item: RejectedInput) -> None:
-        self._list_failure({"id": item.id, "error": f"input: {item.reason}"})
+        self._list_failure({"id": item.id, "cause": "input", "error": f"input: {item.reason}"})
         self.summary.rejected_input += 1
 
     def failed(self, conversation_id: str, exc: BaseException) -> None:
-        record: dict[str, Any] = {"id": conversation_id, "error": f"{type(exc).__name__}: {exc}"}
+        cause = exc.cause if isinstance(exc, GenerationError) else f"bug ({type(exc).__name__})"
+        record: dict[str, Any] = {"id": conversation_id, "cause": cause, "error": f"{type(exc).__name__}: {exc}"}
         if not isinstance(exc, GenerationError):
             # Not an expected generation failure: keep the traceback for the bug report.
             record["traceback"] = "".join(traceback.format_exception(exc))
         self._list_failure(record)
         self.summary.failed += 1
+        self.summary.causes[cause] = self.summary.causes.get(cause, 0) + 1
+        if self.summary.first_failure is None:
+            # One line: a server's error page spans many.
+            self.summary.first_failure = " ".join(f"{conversation_id}: {cause}: {exc}".split())[:400]
         self.consecutive_failures += 1
         self.progress.update()
         if self.consecutive_failures >= self.max_consecutive_failures:
             raise RegenerateError(
-                f"{self.consecutive_failures} conversations failed in a row; last error: "
+                f"{self.consecutive_failures} conversations failed in a row ({cause}); last error: "
                 f"{record['error']} (all listed in {self.failures_path})")
 
     def _list_failure(self, record: dict[str, Any]) -> None:
@@ -480,7 +493,7 @@ def _answer_all(backend: OpenAIBackend, job: ConversationJob, stop: threading.Ev
     generations = []
     while not job.done:
         if stop.is_set():
-            raise GenerationError("stopped")
+            raise GenerationError("stopped", cause="stopped")
         generation = check_answer(backend.chat(job.prompt()), allow_empty=allow_empty)
         generations.append(generation)
         job.answer(generation)
