@@ -255,7 +255,7 @@ def test_mismatch_is_reported_with_position():
     summary["max_new_tokens"] = 4
     text = io.StringIO()
     print_summary(EvalReport(summary=summary, requests=[result]), file=text)
-    assert "LOSSLESS FAILURE q7 turn 1" in text.getvalue() and "token 2" in text.getvalue()
+    assert "WRONG ACCEPTANCE q7 turn 1" in text.getvalue() and "token 2" in text.getvalue()
     assert first_mismatch([1, 2], [1, 2, 3]) == 2 and first_mismatch([1], [1]) is None
 
 

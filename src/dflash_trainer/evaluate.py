@@ -4,10 +4,14 @@
 target alone (greedy with a KV cache: the reference output and the baseline timing) and with
 speculative decoding (:func:`dflash_trainer.spec_decode.speculative_generate`, i.e. the
 drafter's ``spec_generate``). At temperature 0 the two outputs must be identical token for
-token; a difference is a failure that names the prompt and the first differing position, and
-the command exits with status 1. The two decodes of a prompt run back to back in alternating
-order under one thread count (:mod:`dflash_trainer.speedup`), so the speedup compares timings
-taken under the same conditions, and says when it cannot be trusted.
+token. A difference is classified at its first differing token: ``numerics`` when the
+speculative path emitted its verify logits' own argmax there and plain decoding's token lies
+within :func:`~dflash_trainer.spec_decode.numerics_margin` of it (a near tie that a batched
+verify and a one-token forward round apart, common in bf16), else a wrong acceptance, a bug
+that names the prompt and the position, and the command exits with status 1. The two decodes
+of a prompt run back to back in alternating order under one thread count
+(:mod:`dflash_trainer.speedup`), so the speedup compares timings taken under the same
+conditions, and says when it cannot be trusted.
 
 A *request* is one generation: one turn of one prompt. Multi-turn prompts (MT-Bench has two
 turns) are played as the benchmark intends: the model's own answer to turn 1 (the speculative
@@ -58,8 +62,9 @@ from dflash_trainer.data.tokenize import render_prompt
 from dflash_trainer.errors import CheckpointError, ConfigError
 from dflash_trainer.fsutil import check_output_folder
 from dflash_trainer.prompt_sets import PROMPT_SETS, EvalPrompt, load_prompts, suite_prompts
-from dflash_trainer.spec_decode import (Decoded, acceptance_spans, end_of_turn_ids, first_mismatch,
-                                        piece_texts, speculative_generate, target_generate)
+from dflash_trainer.spec_decode import (NUMERICS, Decoded, acceptance_spans, classify_difference, end_of_turn_ids,
+                                        first_mismatch, numerics_margin, piece_texts, speculative_generate,
+                                        target_generate)
 from dflash_trainer.speedup import (Clock, PairedTimer, PairedTiming, SpeedupMeasurement, TimingRun,
                                     describe_measurement, format_speedup, pay_off_line)
 
@@ -91,6 +96,9 @@ class RequestResult:
     acceptance_lengths: list[int]
     lossless: bool | None
     """Speculative output == target greedy output; None at temperature > 0 (not comparable)."""
+    mismatch_kind: str | None = None
+    """Where the outputs differ: ``numerics`` (a near tie the batched verify rounded the other way)
+    or ``wrong acceptance`` (a bug); see :func:`~dflash_trainer.spec_decode.classify_difference`."""
     first_mismatch: dict[str, Any] | None
     """Where the outputs first differ: ``position`` (0-based, generated tokens) and the tokens."""
     target_decode_s: float
@@ -131,8 +139,14 @@ class EvalReport:
 
     @property
     def failures(self) -> list[RequestResult]:
-        """Requests whose speculative output differs from the target's greedy output."""
-        return [r for r in self.requests if r.lossless is False]
+        """Requests whose speculative output differs from the target's greedy output by a wrong
+        acceptance (a bug; differences by numerics are :attr:`numerics`)."""
+        return [r for r in self.requests if r.lossless is False and r.mismatch_kind != NUMERICS]
+
+    @property
+    def numerics(self) -> list[RequestResult]:
+        """Requests whose output differs from the target's greedy output at a near tie only."""
+        return [r for r in self.requests if r.lossless is False and r.mismatch_kind == NUMERICS]
 
     def to_json(self) -> dict[str, Any]:
         """``results.json``: summary fields at the top level plus ``per_prompt``."""
@@ -193,14 +207,22 @@ def acceptance_trace(spec: Decoded, tokenizer: Any = None) -> list[dict[str, Any
 
 def request_result(prompt: EvalPrompt, turn: int, prompt_tokens: int, baseline: Decoded, spec: Decoded, *,
                    temperature: float, tokenizer: Any = None, stop_token_ids: Sequence[int] = (),
-                   timing: PairedTiming | None = None) -> RequestResult:
-    """Metrics of one request from its two decodes; a speedup only with their paired ``timing``."""
+                   timing: PairedTiming | None = None, margin: float | None = None) -> RequestResult:
+    """Metrics of one request from its two decodes; a speedup only with their paired ``timing``.
+    A greedy difference is classified with ``margin`` logits (default: float32's
+    :func:`~dflash_trainer.spec_decode.numerics_margin`)."""
     steps = len(spec.acceptance_lengths)
     lossless = None
     mismatch = None
+    kind = None
     if temperature <= 0:
         mismatch = _mismatch(spec.tokens, baseline.tokens, tokenizer)
         lossless = mismatch is None
+        if mismatch is not None:
+            verdict = classify_difference(spec, baseline.tokens, mismatch["position"],
+                                          margin=numerics_margin(torch.float32) if margin is None else margin)
+            mismatch.update(verdict)
+            kind = verdict["kind"]
     stops = set(stop_token_ids)
     answer = [t for t in spec.tokens if t not in stops]
     output = tokenizer.decode(answer, skip_special_tokens=True) if tokenizer is not None else ""
@@ -209,6 +231,7 @@ def request_result(prompt: EvalPrompt, turn: int, prompt_tokens: int, baseline: 
         tokens=len(spec.tokens), steps=steps,
         tau=sum(spec.acceptance_lengths) / steps if steps else None,
         acceptance_lengths=list(spec.acceptance_lengths), lossless=lossless, first_mismatch=mismatch,
+        mismatch_kind=kind,
         target_decode_s=baseline.decode_s, spec_decode_s=spec.decode_s,
         target_decode_tokens=baseline.decode_tokens, spec_decode_tokens=spec.decode_tokens,
         output=output, prompt_text=prompt.turns[turn], trace=acceptance_trace(spec, tokenizer), timing=timing)
@@ -243,7 +266,8 @@ def summarize(requests: Sequence[RequestResult], *, block_size: int, temperature
         if r.tau is not None:
             by_category.setdefault(r.category or "-", []).append(r.tau)
     checked = [r for r in requests if r.lossless is not None]
-    failures = [r for r in checked if not r.lossless]
+    numerics = [r for r in checked if r.lossless is False and r.mismatch_kind == NUMERICS]
+    failures = [r for r in checked if r.lossless is False and r.mismatch_kind != NUMERICS]
     speedup_fields = speedup.summary_fields() if speedup is not None else {
         "speedup": None, "speedup_reliable": None, "speedup_unreliable_reasons": [], "speedup_measurement": None}
     return {
@@ -256,6 +280,8 @@ def summarize(requests: Sequence[RequestResult], *, block_size: int, temperature
         "spec_tokens_per_s": spec_tps,
         "lossless": (not failures) if checked else None,
         "lossless_failures": len(failures),
+        "lossless_numerics": len(numerics),
+        "lossless_identical": len(checked) - len(failures) - len(numerics),
         "requests": len(requests),
         "prompts": len({r.id for r in requests}),
         "steps": steps,
@@ -302,6 +328,7 @@ def evaluate_prompts(drafter: nn.Module, target: nn.Module, tokenizer: Any, prom
     block_size = int(drafter.block_size)
     requests: list[RequestResult] = []
     total = sum(len(p.turns) for p in prompts)
+    margin = numerics_margin(next(target.parameters()).dtype)
     with (timer or PairedTimer()).run() as run:
         if log is not None:
             log(f"timing: {run.threads} torch thread{'s' if run.threads > 1 else ''} on {run.cpus} cores "
@@ -320,12 +347,13 @@ def evaluate_prompts(drafter: nn.Module, target: nn.Module, tokenizer: Any, prom
                 baseline, spec, timing = decode_request(run, drafter, target, ids, max_new_tokens=max_new_tokens,
                                                         stop_token_ids=stops, temperature=temperature)
                 result = request_result(prompt, turn, ids.shape[1], baseline, spec, temperature=temperature,
-                                        tokenizer=tokenizer, stop_token_ids=stops, timing=timing)
+                                        tokenizer=tokenizer, stop_token_ids=stops, timing=timing, margin=margin)
                 answers.append(result.output)
                 requests.append(result)
                 if log is not None:
                     tau = f"{result.tau:.2f}" if result.tau is not None else "-"
-                    status = {True: "lossless", False: "MISMATCH", None: "sampled"}[result.lossless]
+                    status = ("sampled" if result.lossless is None else "lossless" if result.lossless
+                              else "differs by numerics" if result.mismatch_kind == NUMERICS else "WRONG ACCEPTANCE")
                     first = "target" if timing.target_first else "speculative"
                     log(f"[{len(requests)}/{total}] {prompt.id} turn {turn + 1}: {result.tokens} tokens, "
                         f"{result.steps} steps, tau {tau}, {status}, speedup {_fmt(result.speedup, '.2f')} "
@@ -444,14 +472,30 @@ def print_summary(report: EvalReport, file: Any = None) -> None:
         lines.append("lossless: not checked (temperature > 0: outputs are samples)")
     else:
         checked = sum(r.lossless is not None for r in report.requests)
-        lines.append(f"lossless: {checked - s['lossless_failures']}/{checked} requests identical to "
-                     f"the target's greedy output")
+        numerics = len(report.numerics)
+        lines.append(f"lossless: {checked - s['lossless_failures'] - numerics}/{checked} requests identical to "
+                     f"the target's greedy output, {numerics} differ by numerics (a near tie within "
+                     f"{_margin_text(report)} logits, the speculative path on its verify's argmax), "
+                     f"{s['lossless_failures']} wrong acceptance(s)")
+    for r in report.numerics:
+        lines.append(_difference_line("numerics", r))
     for r in report.failures:
-        m = r.first_mismatch or {}
-        lines.append(f"LOSSLESS FAILURE {r.id} turn {r.turn + 1}: first difference at generated token "
-                     f"{m.get('position')}: speculative {m.get('speculative')} vs target {m.get('target')}; "
-                     f"prompt {r.prompt_text[:200]!r}")
+        lines.append(_difference_line("WRONG ACCEPTANCE", r))
     print("\n".join(lines), file=file, flush=True)
+
+
+def _margin_text(report: EvalReport) -> str:
+    margins = {(r.first_mismatch or {}).get("margin") for r in report.requests if r.lossless is False}
+    margins.discard(None)
+    return "/".join(f"{m:g}" for m in sorted(margins)) or "the margin of"
+
+
+def _difference_line(label: str, r: RequestResult) -> str:
+    m = r.first_mismatch or {}
+    gap = "" if m.get("logit_gap") is None else f" (gap {m['logit_gap']:.3f}, margin {m['margin']:g})"
+    return (f"{label} {r.id} turn {r.turn + 1}: first difference at generated token {m.get('position')}: "
+            f"speculative {m.get('speculative')} vs target {m.get('target')}; {m.get('why')}{gap}; "
+            f"prompt {r.prompt_text[:200]!r}")
 
 
 # --- in-training evaluation -----------------------------------------------------------------
@@ -523,7 +567,7 @@ class InTrainingEval:
                                                         stop_token_ids=self.stop_token_ids)
                 requests.append(request_result(prompt, 0, ids.shape[1], baseline, spec, temperature=0.0,
                                                tokenizer=self.tokenizer, stop_token_ids=self.stop_token_ids,
-                                               timing=timing))
+                                               timing=timing, margin=numerics_margin(param.dtype)))
         self.last_requests = requests
         self.last_speedup = run.measurement
         s = summarize(requests, block_size=int(module.block_size), temperature=0.0, speedup=run.measurement)
@@ -531,6 +575,8 @@ class InTrainingEval:
         return {"eval/tau": s["tau"] if s["tau"] is not None else nan,
                 "eval/acceptance_hist": s["acceptance_hist"],
                 "eval/lossless": int(bool(s["lossless"])),
+                "eval/lossless_numerics": s["lossless_numerics"],
+                "eval/lossless_wrong_acceptances": s["lossless_failures"],
                 "eval/speedup": s["speedup"] if s["speedup"] is not None else nan,
                 "eval/speedup_reliable": nan if s["speedup_reliable"] is None else int(s["speedup_reliable"]),
                 "eval/spec_tokens_per_s": s["spec_tokens_per_s"] if s["spec_tokens_per_s"] is not None else nan}

@@ -16,6 +16,8 @@ The acceptance trace (what the drafter proposed at each verify step and how much
 target accepted) is read off the target's forward inputs with a pre-hook: every verify
 forward receives the block ``[bonus, draft_1, ..., draft_{B-1}]`` at position ``start``, so
 the drafts are the block's tail and consecutive block positions give the accepted count.
+A forward hook keeps the top :data:`TOP_K` logits of every position the target scored, so that
+a greedy output that differs from plain decoding can be classified (:func:`classify_difference`).
 Nothing in the decoding loop changes.
 """
 
@@ -35,8 +37,34 @@ from transformers import DynamicCache
 
 from dflash_trainer.speedup import Clock
 
-__all__ = ["Decoded", "Span", "VerifyStep", "acceptance_spans", "end_of_turn_ids", "first_mismatch",
-           "piece_texts", "speculative_generate", "target_generate"]
+__all__ = ["NUMERICS", "WRONG_ACCEPTANCE", "Decoded", "Span", "VerifyLogits", "VerifyStep", "acceptance_spans",
+           "classify_difference", "end_of_turn_ids", "first_mismatch", "numerics_margin", "piece_texts",
+           "speculative_generate", "target_generate"]
+
+TOP_K = 8
+"""Logits kept per scored position: enough to find plain decoding's token when it is a near tie."""
+NUMERICS = "numerics"
+WRONG_ACCEPTANCE = "wrong acceptance"
+
+
+def numerics_margin(dtype: torch.dtype) -> float:
+    """The largest gap, in logits, between the verify logits' argmax and plain decoding's token
+    that rounding can explain: 1.0 for 16-bit compute, 0.01 for float32. A batched verify and a
+    one-token forward sum in other orders; in bf16 (8 bits of mantissa) logits of 10 to 30 round
+    in steps of 0.06 to 0.125 per operation, and over a whole network a near tie flips."""
+    return 0.01 if dtype in (torch.float32, torch.float64) else 1.0
+
+
+@dataclass(kw_only=True)
+class VerifyLogits:
+    """The top logits of one target forward of the speculative loop (prefill or verify)."""
+
+    start: int
+    """Absolute position whose logits are row 0 (they choose the token at ``start + 1``)."""
+    ids: torch.Tensor
+    """``[L, TOP_K]`` token ids, best first."""
+    values: torch.Tensor
+    """``[L, TOP_K]`` their logits (float32)."""
 
 
 @dataclass(kw_only=True)
@@ -77,6 +105,10 @@ class Decoded:
     steps: list[VerifyStep] = field(default_factory=list)
     """The drafts of each verify step; empty for the baseline, or when the drafter's loop
     did not call the target the way the trace expects (another modeling file)."""
+    prompt_tokens: int = 0
+    """Length of the prompt (the position of the first generated token)."""
+    verify_logits: list[VerifyLogits] = field(default_factory=list)
+    """The top logits of each target forward of the speculative loop; empty for the baseline."""
 
     @property
     def decode_tokens(self) -> int:
@@ -199,6 +231,59 @@ class _VerifyTrace:
                 self._emit(span)
 
 
+class _LogitsTrace:
+    """Forward hook on the target that keeps the top logits of every scored position (this thread only)."""
+
+    def __init__(self) -> None:
+        self.thread = threading.get_ident()
+        self.calls: list[VerifyLogits] = []
+
+    def __call__(self, _module: nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        ids = args[0] if args else kwargs.get("input_ids")
+        logits = getattr(output, "logits", None)
+        if threading.get_ident() != self.thread or not isinstance(ids, torch.Tensor) or logits is None:
+            return
+        positions = kwargs.get("position_ids")
+        first = int(positions[0, 0]) if isinstance(positions, torch.Tensor) else 0  # the prefill has none
+        rows = logits[0].float()
+        top = rows.topk(min(TOP_K, rows.shape[-1]), dim=-1)
+        # logits_to_keep may score only the last rows of the input.
+        self.calls.append(VerifyLogits(start=first + ids.shape[1] - rows.shape[0], ids=top.indices, values=top.values))
+
+
+def classify_difference(spec: Decoded, plain: Sequence[int], position: int, *, margin: float) -> dict[str, Any]:
+    """Why greedy speculative output ``spec.tokens`` first differs from plain decoding ``plain``
+    at generated token ``position``: ``numerics`` when the speculative path emitted the verify
+    logits' own argmax there and plain decoding's token is within ``margin`` logits of it (a
+    near tie that the batched verify rounded the other way), else ``wrong acceptance`` (a bug:
+    the loop committed a token its verify did not choose, or scored a context it should not have).
+    """
+    at = spec.prompt_tokens + position - 1  # the position whose logits chose this token
+    found = [(call, at - call.start) for call in spec.verify_logits if call.start <= at < call.start + len(call.ids)]
+    spec_token = spec.tokens[position] if position < len(spec.tokens) else None
+    plain_token = plain[position] if position < len(plain) else None
+    result: dict[str, Any] = {"kind": WRONG_ACCEPTANCE, "margin": margin, "verify_argmax": None, "logit_gap": None}
+    if not found or spec_token is None or plain_token is None:
+        result["why"] = "no verify logits for that position, or one output ended early"
+        return result
+    call, row = found[-1]  # the last forward that scored it is the one that committed it
+    ids, values = call.ids[row].tolist(), call.values[row].tolist()
+    result["verify_argmax"] = ids[0]
+    if spec_token != ids[0]:
+        result["why"] = "the speculative path emitted a token that is not its verify logits' argmax"
+        return result
+    if plain_token not in ids:
+        result["why"] = f"plain decoding's token is not among the verify logits' top {len(ids)}"
+        return result
+    gap = values[0] - values[ids.index(plain_token)]
+    result["logit_gap"] = gap
+    if gap <= margin:
+        result.update(kind=NUMERICS, why=f"a near tie: plain decoding's token is {gap:.3f} logits below the argmax")
+    else:
+        result["why"] = f"plain decoding's token is {gap:.3f} logits below the verify argmax (margin {margin:g})"
+    return result
+
+
 def speculative_generate(drafter: nn.Module, target: nn.Module, input_ids: torch.Tensor, *,
                          max_new_tokens: int, stop_token_ids: Sequence[int],
                          temperature: float = 0.0,
@@ -219,7 +304,9 @@ def speculative_generate(drafter: nn.Module, target: nn.Module, input_ids: torch
     device = input_ids.device
     was_training = drafter.training
     trace = _VerifyTrace(on_span)
+    logits_trace = _LogitsTrace()
     handle = target.register_forward_pre_hook(trace, with_kwargs=True)
+    logits_handle = target.register_forward_hook(logits_trace, with_kwargs=True)
     try:
         with _first_forward_end(target, device, clock) as prefill_end:
             start = _now(device, clock)
@@ -229,6 +316,7 @@ def speculative_generate(drafter: nn.Module, target: nn.Module, input_ids: torch
             end = _now(device, clock)
     finally:
         handle.remove()
+        logits_handle.remove()
         drafter.train(was_training)
     assert prefill_end, "spec_generate did not call the target"
     tokens = stats.output_ids[0, stats.num_input_tokens:].tolist()
@@ -239,7 +327,9 @@ def speculative_generate(drafter: nn.Module, target: nn.Module, input_ids: torch
                  for block, a in zip(trace.blocks[1:], lengths)]
     trace.finish(acceptance_spans(tokens, lengths))
     return Decoded(tokens=tokens, prefill_s=prefill_end[0] - start, decode_s=end - prefill_end[0],
-                   acceptance_lengths=lengths, steps=steps)
+                   acceptance_lengths=lengths, steps=steps, prompt_tokens=input_ids.shape[1],
+                   verify_logits=[VerifyLogits(start=c.start, ids=c.ids.cpu(), values=c.values.cpu())
+                                  for c in logits_trace.calls])
 
 
 def acceptance_spans(tokens: Sequence[int], acceptance_lengths: Sequence[int]) -> list[Span]:
