@@ -31,6 +31,7 @@ from typing import Any
 
 from dflash_trainer.errors import TargetError
 from dflash_trainer.fsutil import atomic_write_text, memoised_sha256, write_dir_atomically
+from dflash_trainer.inputs import check_input
 
 __all__ = ["AssetError", "atomic_write_text", "cache_root", "file_sha256", "first_line", "load_tokenizer",
            "resolve_target", "write_dir_atomically"]
@@ -266,6 +267,8 @@ def resolve_target(name_or_path: str) -> Path:
     if name_or_path == "smollm2":
         return smollm2_dir()
     path = Path(name_or_path).expanduser()
+    if os.path.lexists(path):
+        check_input(path, what=f"target {name_or_path!r}", error=AssetError)
     if path.is_file() and path.suffix.lower() == ".gguf":
         return gguf_dir(path, re.sub(r"[^\w.-]", "_", path.stem).lower(), str(path))
     if path.exists():

@@ -61,6 +61,7 @@ from dflash_trainer.config import Config, save_config
 from dflash_trainer.data.tokenize import render_prompt
 from dflash_trainer.errors import CheckpointError, ConfigError
 from dflash_trainer.fsutil import check_output_folder
+from dflash_trainer.inputs import check_input
 from dflash_trainer.prompt_sets import PROMPT_SETS, EvalPrompt, load_prompts, suite_prompts
 from dflash_trainer.spec_decode import (NUMERICS, Decoded, acceptance_spans, classify_difference, end_of_turn_ids,
                                         first_mismatch, numerics_margin, piece_texts, speculative_generate,
@@ -602,6 +603,8 @@ def load_models(cfg: Config, drafter_dir: Path) -> tuple[nn.Module, nn.Module, A
     from dflash_trainer.model.export import load_drafter
     from dflash_trainer.model.target import load_target
 
+    if os.path.lexists(drafter_dir):
+        check_input(drafter_dir, what="--drafter", kind="folder", error=CheckpointError)
     if not (drafter_dir / "config.json").is_file():
         raise CheckpointError(f"--drafter {drafter_dir}: no config.json there; pass a folder written by "
                               "`dflash-trainer export` (or the run's drafter/ folder)")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from dflash_trainer.checkpoint import MANIFEST, validate_checkpoint
 from dflash_trainer.config import Config
 from dflash_trainer.errors import CheckpointError, ConfigError
 from dflash_trainer.fsutil import save_safetensors, write_dir_atomically
+from dflash_trainer.inputs import check_input
 from dflash_trainer.model import modeling
 from dflash_trainer.model.drafter import (ARCHITECTURES, SIGNATURE_KEY, check_compatible, drafter_class,
                                           drafter_variant, text_config)
@@ -302,6 +304,8 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     """``dflash-trainer export --checkpoint CKPT --out DIR [--overwrite]``."""
     del cfg  # the drafter config inside the checkpoint is authoritative
     out, checkpoint = Path(args.out), Path(args.checkpoint)
+    if os.path.lexists(checkpoint):
+        check_input(checkpoint, what="--checkpoint", kind="folder", error=CheckpointError)
     # Checked before the checkpoint is read: a wrong --out costs nothing and writes nothing.
     check_export_destination(out, overwrite=args.overwrite, flag="--out ")
     root = next((c for c in (checkpoint, checkpoint.parent) if (c / MANIFEST).is_file()), None)
