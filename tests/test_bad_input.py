@@ -539,10 +539,6 @@ CASES = [
          r"config error: model.target_layer_ids=\[0, 0\] names 0 more than once; name each once$"),
     Case("train: a negative target layer", _train("model.target_layer_ids=[0,-1]"), 2,
          r"config error: model.target_layer_ids\[1\] must be in \[0, 4095\], got -1$"),
-    Case("train: the reference rule taps a layer twice",
-         _train("model.target_layer_ids=none", "model.num_layers=3"), 2,
-         r"config error: model.target_layer_ids \[1, 0, 0\] names layer 0 more than once \(a 3-layer "
-         r"target\); name distinct layers, or use fewer drafter layers \(model.num_layers\)$"),
     Case("train: a bucket boundary named twice", _train("pipeline.bucket_boundaries=[64,64,256]"), 2,
          r"config error: pipeline.bucket_boundaries=\[64, 64, 256\] names 64 more than once; name each once$"),
     Case("train: mask id out of range", _train("model.mask_token_id=999999"), 2,

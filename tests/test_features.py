@@ -289,3 +289,30 @@ def test_two_ranks_build_their_own_shards_and_train_from_the_store(store: Path, 
     assert a.keys() == b.keys() and a
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=LOSS_RTOL), step
+
+
+@pytest.mark.parametrize("labels", ["data", "kl"])
+def test_every_label_mode_trains_from_the_store_as_online(setup, tmp_path: Path, labels: str):
+    extra = (f"training.labels={labels}", "training.epochs=1")
+    out = tmp_path / "store"
+    build(setup, out, *extra)
+    assert Manifest.read(out).labels == labels
+    online, _ = train(overrides(setup, tmp_path / "online", *extra))
+    offline, _ = train(overrides(setup, tmp_path / "offline", f"features.store={out}", *extra))
+    assert offline == online
+    a, b = losses(tmp_path / "online"), losses(tmp_path / "offline")
+    assert a.keys() == b.keys() and a
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=LOSS_RTOL), step
+
+
+def test_an_online_checkpoint_resumes_from_the_store(store: Path, setup, tmp_path: Path):
+    full, _ = train(overrides(setup, tmp_path / "full"))
+    first, _ = train(overrides(setup, tmp_path / "split"), stop_after_steps=4)
+    second, _ = train(overrides(setup, tmp_path / "split", f"features.store={store}",
+                                "checkpoint.resume=auto"))
+    assert first + second == full
+    a, b = losses(tmp_path / "full"), losses(tmp_path / "split")
+    assert a.keys() == b.keys()
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=LOSS_RTOL), step

@@ -336,7 +336,7 @@ def _command_cases(setup: dict[str, Path], run: dict[str, Path], d: Path) -> dic
         "eval": (["eval", "--drafter", str(run["drafter"]), "--out", str(d / "eval"), *target,
                   *eval_args], (_MODEL, "block"), [d]),
         "export": (["export", "--checkpoint", str(run["checkpoint"]), "--out", str(d / "out")],
-                   ("dflash_trainer.model.export:save_file", "after"), [d]),
+                   ("dflash_trainer.model.export:save_safetensors", "after"), [d]),
         "regenerate": (["regenerate", "--data", str(setup["data"]), "--out", str(d / "o.jsonl"),
                         "--max-new-tokens", "4", "--limit", "2", *target],
                        (_MODEL, "block"), [d]),

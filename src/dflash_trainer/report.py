@@ -445,6 +445,8 @@ def _family(title: str, pattern: str, wanted: str, *, ylabel: str = "", prefix: 
 def _utilization(path: Path, log: MetricsLog, evals: list[EvalResult]) -> None:
     series = {f"{k} busy": s for k, s in log.family(r"pipe/([^/]+)/busy_frac").items()}
     series["data wait (train loop)"] = log.series("perf/data_wait_frac")
+    # Training from a feature store: the reader's wait for batches (its busy time is above).
+    series["store reader waits for batches"] = log.series("pipe/store/wait_frac")
     _lines(path, "Pipeline utilization", series,
            wanted="pipe/{stage}/busy_frac, perf/data_wait_frac", ylabel="fraction of time")
 

@@ -144,9 +144,10 @@ def _forward_batches(ids: range, lengths: np.ndarray, token_budget: int,
 
 
 def _compute_shard(samples: range, *, data: Any, extractor: FeatureExtractor, device: torch.device,
-                   storage_dtype: str, token_budget: int, max_rows: int | None
-                   ) -> tuple[dict[str, torch.Tensor], int]:
-    """The tensors of one shard (in sample order) and its token count."""
+                   storage_dtype: str, token_budget: int, max_rows: int | None,
+                   on_tokens: Callable[[int], None]) -> tuple[dict[str, torch.Tensor], int]:
+    """The tensors of one shard (in sample order) and its token count; ``on_tokens`` hears the
+    real tokens of every forward pass."""
     rows: dict[int, dict[str, torch.Tensor]] = {}
     for group in _forward_batches(samples, data.lengths, token_budget, max_rows):
         width = max(int(data.lengths[i]) for i in group)
@@ -165,6 +166,7 @@ def _compute_shard(samples: range, *, data: Any, extractor: FeatureExtractor, de
             if out.final_hidden is not None:
                 row["final_hidden"] = out.final_hidden[r, :n].cpu()
             rows[i] = row
+        on_tokens(int(attention.sum()))
     ordered = [rows[i] for i in samples]
     lengths = [int(data.lengths[i]) for i in samples]
     tensors: dict[str, torch.Tensor] = {
@@ -234,6 +236,39 @@ def _write_index(folder: Path, manifest: Manifest) -> None:
                       durable=True)
 
 
+class _Progress:
+    """This rank's progress line (rank 0 prints it): tokens done, rate and ETA, every
+    ``every_s`` seconds and after the last shard; the job's ETA assumes the ranks keep pace."""
+
+    def __init__(self, *, say: Callable[[str], None] | None, total: int, shards: int, every_s: float,
+                 world_size: int) -> None:
+        self.say, self.total, self.shards, self.every_s = say, total, shards, every_s
+        self.world_size = world_size
+        self.done = 0
+        self.shards_done = 0
+        self.start = self.last = time.perf_counter()
+
+    def add(self, tokens: int) -> None:
+        self.done += tokens
+        if time.perf_counter() - self.last >= self.every_s:
+            self._print()
+
+    def shard_done(self) -> None:
+        self.shards_done += 1
+        if self.shards_done == self.shards:
+            self._print()
+
+    def _print(self) -> None:
+        now = self.last = time.perf_counter()
+        if self.say is None:
+            return
+        rate = self.done / max(now - self.start, 1e-9)
+        left = (self.total - self.done) / max(rate, 1e-9)
+        ranks = f" on each of {self.world_size} ranks" if self.world_size > 1 else ""
+        self.say(f"features: {self.shards_done}/{self.shards} shards, {self.done:,}/{self.total:,} tokens "
+                 f"({100 * self.done / max(1, self.total):.0f}%){ranks}, {rate:,.0f} tok/s, ETA {_eta(left)}")
+
+
 def _eta(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
@@ -284,27 +319,20 @@ def build_store(cfg: Config, dist: DistInfo, *, out: Path, target: nn.Module | N
                 say(f"features: {kept} finished shard(s) verified and kept")
         extractor = FeatureExtractor(target, manifest.layer_ids, labels=cfg.training.labels,
                                      label_chunk_size=cfg.training.loss_chunk_size)
-        done_tokens, last_say = 0, time.perf_counter()
-        compute_start = time.perf_counter()
+        progress = _Progress(say=say if dist.is_main else None, total=todo_tokens, shards=len(todo),
+                             every_s=progress_every_s, world_size=dist.world_size)
         try:
-            for n, shard in enumerate(todo, 1):
+            for shard in todo:
                 samples = manifest.shard_samples(shard)
                 tensors, tokens = _compute_shard(samples, data=data, extractor=extractor, device=device,
                                                  storage_dtype=manifest.storage_dtype,
                                                  token_budget=cfg.pipeline.tokens_per_batch,
-                                                 max_rows=cfg.pipeline.max_batch_size)
+                                                 max_rows=cfg.pipeline.max_batch_size,
+                                                 on_tokens=progress.add)
                 _write_shard(out, shard, samples.start, tensors, tokens)
-                done_tokens += tokens
+                progress.shard_done()
                 if after_shard is not None:
                     after_shard(shard)
-                now = time.perf_counter()
-                if dist.is_main and (now - last_say >= progress_every_s or n == len(todo)):
-                    rate = done_tokens / max(now - compute_start, 1e-9)
-                    left = (todo_tokens - done_tokens) / max(rate, 1e-9)
-                    say(f"features: shard {n}/{len(todo)} of rank {dist.rank}, {done_tokens:,}/"
-                        f"{todo_tokens:,} tokens ({100 * done_tokens / max(1, todo_tokens):.0f}%), "
-                        f"{rate:,.0f} tok/s, ETA {_eta(left)}")
-                    last_say = now
         finally:
             extractor.close()
         if dist.enabled:
@@ -315,7 +343,7 @@ def build_store(cfg: Config, dist: DistInfo, *, out: Path, target: nn.Module | N
         if lock is not None:
             lock.release()
     seconds = time.perf_counter() - started
-    return BuildResult(manifest=manifest, folder=out, built=len(todo), kept=kept, tokens=done_tokens,
+    return BuildResult(manifest=manifest, folder=out, built=len(todo), kept=kept, tokens=progress.done,
                        seconds=seconds, complete=(out / INDEX).is_file())
 
 

@@ -31,8 +31,9 @@ FIELD_SETTINGS = {
 }
 """The config setting behind each manifest field, for the refusal's fix."""
 
-_OPEN_SHARDS = 4
-"""Shard files kept open at once (readers go through the plan's buckets, not shard by shard)."""
+_OPEN_SHARDS = 64
+"""Shard files kept open (memory-mapped) at once: a batch's samples come from any shard, since
+the plan groups samples by length, not by position."""
 
 
 def read_index(folder: Path) -> list[ShardRecord]:
@@ -63,10 +64,10 @@ class SampleFeatures:
 
 
 class _Shard:
-    def __init__(self, path: Path, record: ShardRecord) -> None:
+    def __init__(self, path: Path, record: ShardRecord, *, verify: bool) -> None:
         from safetensors import SafetensorError, safe_open
 
-        if sha256_file(path) != record.sha256:
+        if verify and sha256_file(path) != record.sha256:
             raise StoreError(f"{path}: the shard does not match its checksum in {INDEX} (corrupt or "
                              "overwritten); delete it and its .json record and rerun dflash-trainer "
                              "features to compute it again")
@@ -95,6 +96,8 @@ class FeatureStore:
         self.records = records
         self.dtype = dtype
         self._open: OrderedDict[int, _Shard] = OrderedDict()
+        self._verified: set[int] = set()
+        """Shards whose checksum this run checked (once each, however often they are reopened)."""
         self._lock = threading.Lock()
         self.bytes_read = 0
 
@@ -137,8 +140,10 @@ class FeatureStore:
             if shard is not None:
                 self._open.move_to_end(index)
                 return shard
-        shard = _Shard(shard_path(self.folder, index), self.records[index])
+        shard = _Shard(shard_path(self.folder, index), self.records[index],
+                       verify=index not in self._verified)
         with self._lock:
+            self._verified.add(index)
             self._open[index] = shard
             while len(self._open) > _OPEN_SHARDS:
                 self._open.popitem(last=False)

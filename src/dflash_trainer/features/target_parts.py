@@ -50,8 +50,9 @@ def weight_files(folder: Path) -> list[Path]:
     return sorted({p for pattern in WEIGHT_PATTERNS for p in folder.glob(pattern) if p.is_file()})
 
 
-_HASHES: dict[tuple[str, int, int, int], str] = {}
-"""In-process memo of :func:`weights_hash` by (folder, total size, newest mtime, file count)."""
+_HASHES: dict[tuple[str, tuple[tuple[str, int, int, int, int], ...]], str] = {}
+"""In-process memo of :func:`weights_hash` by folder and each file's (name, size, mtime, inode,
+ctime): ctime changes on every write, whatever a copy tool puts back."""
 
 
 def weights_hash(folder: Path) -> str:
@@ -60,8 +61,8 @@ def weights_hash(folder: Path) -> str:
     files = weight_files(folder)
     if not files:
         raise TargetError(f"target {folder}: no model weights in the folder")
-    stats = [p.stat() for p in files]
-    key = (str(folder.resolve()), sum(s.st_size for s in stats), max(s.st_mtime_ns for s in stats), len(files))
+    key = (str(folder.resolve()), tuple((p.name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+                                        for p, st in ((p, p.stat()) for p in files)))
     if key not in _HASHES:
         digest = hashlib.sha256(b"dflash target weights v1\n")
         for path in files:

@@ -138,7 +138,8 @@ def check_target_layer_ids(layer_ids: Collection[int], num_layers: int) -> None:
     """Refuse (ConfigError) layer ids outside ``0..num_layers - 2``. The last layer is refused
     too: its hook sees the raw layer output, but inference servers take ``hidden_states[-1]``,
     which is after the final norm (a different scale), so training and serving would disagree.
-    A layer named twice is refused: it would feed the same features twice through ``fc``."""
+    A list given twice over is refused by the config (``model.target_layer_ids``); the
+    reference rule may tap a layer twice on a target with fewer layers than it spreads over."""
     if not layer_ids:
         raise ConfigError("model.target_layer_ids is empty: name at least one target layer, "
                           f"0..{num_layers - 2}")
@@ -146,13 +147,6 @@ def check_target_layer_ids(layer_ids: Collection[int], num_layers: int) -> None:
     if bad:
         raise ConfigError(f"model.target_layer_ids {bad} out of range for a target with "
                           f"{num_layers} layers: use ids 0..{num_layers - 2}")
-    repeated = sorted({i for i in layer_ids if list(layer_ids).count(i) > 1})
-    if repeated:
-        # The config refuses a list given twice over; this is the reference rule spreading more
-        # drafter layers than the target has layers to tap.
-        raise ConfigError(f"model.target_layer_ids {list(layer_ids)} names layer "
-                          f"{', '.join(map(str, repeated))} more than once (a {num_layers}-layer target); "
-                          "name distinct layers, or use fewer drafter layers (model.num_layers)")
     if num_layers - 1 in layer_ids:
         raise ConfigError(
             f"model.target_layer_ids [{num_layers - 1}] out of range: {num_layers - 1} is the target's "
