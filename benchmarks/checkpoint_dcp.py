@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dflash_trainer.checkpoint import load_train_state, local_part, save_train_state, snapshot
-from dflash_trainer.distributed import apply_training_state, training_state
+from dflash_trainer.training.checkpoint import load_train_state, local_part, save_train_state, snapshot
+from dflash_trainer.core.distributed import apply_training_state, training_state
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 

@@ -33,9 +33,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer import assets
+from dflash_trainer.core import assets
 from dflash_trainer.config import load_config
-from dflash_trainer.train import Trainer
+from dflash_trainer.training.trainer import Trainer
 
 WORDS = ("the model drafts tokens block diffusion target verify accept speed cache layer hidden "
          "state anchor mask loss gamma decay train step batch bucket queue").split()

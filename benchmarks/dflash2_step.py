@@ -16,7 +16,7 @@ sample, outside the timed step, as the pipeline's target stage delivers them.
 Time: in one process, every arm of a shape is built and the arms take turns one step at a
 time (the order reverses every round), after ``--warmup`` steps each; the median step per
 arm and the ratio of sums against the DFlash arm are reported, with the load before and
-after (``dflash_trainer.speedup``) and a busy flag.
+after (``dflash_trainer.evaluation.speedup``) and a busy flag.
 
 Memory: each arm runs again in a fresh subprocess: its peak resident memory during
 ``--memory-steps`` steps minus the resident memory after the build (target, drafter,
@@ -48,13 +48,13 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash_trainer.components import DrafterSide, build_drafter_step
+from dflash_trainer.training.components import DrafterSide, build_drafter_step
 from dflash_trainer.config import load_config
-from dflash_trainer.distributed import DistInfo
+from dflash_trainer.core.distributed import DistInfo
 from dflash_trainer.model.batch import Batch, StepInput
 from dflash_trainer.model.blocks import sample_anchors
 from dflash_trainer.model.target import FeatureExtractor, TargetOutputs
-from dflash_trainer.speedup import BUSY_MARGIN, LoadSample, MachineProbe, usable_cpus
+from dflash_trainer.evaluation.speedup import BUSY_MARGIN, LoadSample, MachineProbe, usable_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 49152
@@ -341,7 +341,7 @@ def _report(args: argparse.Namespace, before: LoadSample, after: LoadSample, sta
 
 
 def _busy(before: LoadSample, after: LoadSample, threads: int) -> bool:
-    """``dflash_trainer.speedup``'s rule: other work wanted more than the cores left free."""
+    """``dflash_trainer.evaluation.speedup``'s rule: other work wanted more than the cores left free."""
     loads = [before.others_running, after.others_running,
              None if after.load_1m is None else after.load_1m - threads]
     known = [load for load in loads if load is not None]

@@ -32,13 +32,13 @@ from typing import Any
 
 import torch
 
-from dflash_trainer.assets import resolve_target
+from dflash_trainer.core.assets import resolve_target
 from dflash_trainer.config import ModelConfig
-from dflash_trainer.evaluate import evaluate_prompts
-from dflash_trainer.prompt_sets import EvalPrompt, mtbench_prompts
+from dflash_trainer.evaluation.evaluate import evaluate_prompts
+from dflash_trainer.evaluation.prompt_sets import EvalPrompt, mtbench_prompts
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.model.target import load_target, resolve_mask_token_id
-from dflash_trainer.speedup import PairedTimer, load_average, others_running, usable_cpus
+from dflash_trainer.evaluation.speedup import PairedTimer, load_average, others_running, usable_cpus
 
 
 @contextlib.contextmanager

@@ -56,9 +56,9 @@ from benchmarks.gpu_parts import (
     BUCKETED, CHECK, GAMMA, LOSS_CHUNK, QWEN3_8B, TINY, TINY_BUCKETED, Geometry,
     build_train_parts, drafter_delay, make_drafter, make_target, pipelined_steps,
     sequential_steps)
-from dflash_trainer.components import peak_flops
-from dflash_trainer.flops import LayerDims, StepShape
-from dflash_trainer.flops import step_flops as model_step_flops
+from dflash_trainer.training.components import peak_flops
+from dflash_trainer.training.flops import LayerDims, StepShape
+from dflash_trainer.training.flops import step_flops as model_step_flops
 from dflash_trainer.model.batch import Batch
 from dflash_trainer.model.blocks import sample_anchors
 from dflash_trainer.model.objective import DFlashObjective
@@ -148,7 +148,7 @@ def autocast(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractCon
 
 
 def step_flops(geom: Geometry, *, mean_anchor: float) -> dict[str, float]:
-    """Model FLOPs of one training step of ``geom`` (see :mod:`dflash_trainer.flops`)."""
+    """Model FLOPs of one training step of ``geom`` (see :mod:`dflash_trainer.training.flops`)."""
     g = geom
     dims = LayerDims(hidden=g.hidden, intermediate=g.intermediate, heads=g.heads,
                      kv_heads=g.kv_heads, head_dim=g.head_dim)

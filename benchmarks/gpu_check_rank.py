@@ -39,7 +39,7 @@ def main() -> int:
     """Train, then report this rank's CUDA contexts."""
     import torch
 
-    from dflash_trainer.cli import main as cli_main
+    from dflash_trainer.cli.main import main as cli_main
 
     out, argv = Path(sys.argv[1]), sys.argv[2:]
     code = cli_main(["train", *argv])

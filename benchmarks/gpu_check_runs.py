@@ -73,7 +73,7 @@ def make_model_folder(folder: Path, *, layers: int = 3, hidden: int = 64) -> Pat
     """A random Llama with the embedded SmolLM2 tokenizer, saved as a model folder."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash_trainer import assets
+    from dflash_trainer.core import assets
 
     tokenizer = assets.load_tokenizer(assets.resolve_target("smollm2"))
     torch.manual_seed(0)
@@ -150,7 +150,7 @@ def _start(argv: list[str], log: Path) -> subprocess.Popen:
 
 def section_kill_resume(st: Settings) -> Section:
     """SIGKILL after the second checkpoint, ``--resume auto``, then SIGTERM: exit 0."""
-    from dflash_trainer.checkpoint import find_resume_checkpoint, validate_checkpoint
+    from dflash_trainer.training.checkpoint import find_resume_checkpoint, validate_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         root = Path(tmp)

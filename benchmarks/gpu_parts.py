@@ -16,14 +16,14 @@ import numpy as np
 import torch
 
 from benchmarks.pipeline import Parts
-from dflash_trainer.components import build
+from dflash_trainer.training.components import build
 from dflash_trainer.config import ModelConfig, load_config
-from dflash_trainer.distributed import DistInfo
+from dflash_trainer.core.distributed import DistInfo
 from dflash_trainer.model.batch import StepInput
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.model.modeling.dflash import build_target_layer_ids
-from dflash_trainer.pipeline.metrics import combine
-from dflash_trainer.pipeline.pipeline import PipelineSettings
+from dflash_trainer.training.pipeline.metrics import combine
+from dflash_trainer.training.pipeline.pipeline import PipelineSettings
 
 GAMMA = 7.0
 LOSS_CHUNK = 1024

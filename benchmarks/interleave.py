@@ -52,7 +52,7 @@ from dflash_trainer.data.prepare import build_dataset
 from dflash_trainer.model.batch import Batch
 from dflash_trainer.model.objective import DFlashObjective
 from dflash_trainer.model.target import FeatureExtractor, TargetOutputs
-from dflash_trainer.pipeline.prefetch import PrefetchOptions, collate
+from dflash_trainer.training.pipeline.prefetch import PrefetchOptions, collate
 
 ORDERS = ("interleave", "shuffle")
 CLAIM_SETTING = [
@@ -198,7 +198,7 @@ def evaluate_heldout(trainer: Any, cfg: Config, heldout: HeldOut) -> dict[str, f
 
 def train_one(cfg: Config, heldout_for: dict[str, Any]) -> dict[str, Any]:
     """Train one order through ``Trainer`` and return its per-step curves and held-out result."""
-    from dflash_trainer.train import Trainer
+    from dflash_trainer.training.trainer import Trainer
 
     run_dir = Path(cfg.run_dir)
     if run_dir.exists():

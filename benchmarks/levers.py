@@ -40,17 +40,17 @@ from typing import Any
 import torch
 
 from benchmarks.quality import split_overrides
-from dflash_trainer import assets
-from dflash_trainer.components import build_drafter_step, run_mask_token_id
+from dflash_trainer.core import assets
+from dflash_trainer.training.components import build_drafter_step, run_mask_token_id
 from dflash_trainer.config import Config, load_config
 from dflash_trainer.data.prepare import build_dataset
-from dflash_trainer.distributed import DistInfo
+from dflash_trainer.core.distributed import DistInfo
 from dflash_trainer.model.batch import Batch, StepInput
 from dflash_trainer.model.blocks import sample_anchors
 from dflash_trainer.model.drafter import tapped_layer_ids, text_config
 from dflash_trainer.model.objective import DFlashObjective
 from dflash_trainer.model.target import FeatureExtractor, TargetOutputs, greedy_next_tokens, load_target
-from dflash_trainer.pipeline.metrics import combine
+from dflash_trainer.training.pipeline.metrics import combine
 
 __all__ = ["Cached", "cache_outputs", "run_variant"]
 

@@ -36,13 +36,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_trainer.components import Components, build
+from dflash_trainer.training.components import Components, build
 from dflash_trainer.config import Config, load_config
-from dflash_trainer.distributed import DistInfo, resolve_device
+from dflash_trainer.core.distributed import DistInfo, resolve_device
 from dflash_trainer.model.batch import StepInput
-from dflash_trainer.pipeline.drafter_step import DrafterStep
-from dflash_trainer.pipeline.metrics import combine
-from dflash_trainer.pipeline.pipeline import PipelineSettings, TrainingPipeline
+from dflash_trainer.training.pipeline.drafter_step import DrafterStep
+from dflash_trainer.training.pipeline.metrics import combine
+from dflash_trainer.training.pipeline.pipeline import PipelineSettings, TrainingPipeline
 
 DEFAULTS = ("data.max_samples=200", "data.max_length=512", "model.num_layers=1",
             "training.num_anchors=32", "pipeline.tokens_per_batch=1024", "pipeline.device=cpu")

@@ -14,7 +14,7 @@ its own overrides (later wins). A value containing a comma must be written as a 
 list without spaces, e.g. ``model.target_layer_ids=[1,15,29]`` (brackets are kept together).
 
 Every variant runs in a fresh subprocess (clean memory and threads) that builds a
-:class:`~dflash_trainer.train.Trainer`, trains with ``training.max_time_s = budget``, then
+:class:`~dflash_trainer.training.trainer.Trainer`, trains with ``training.max_time_s = budget``, then
 decodes the evaluation prompts speculatively with the trained drafter and compares each output
 with the target's own greedy output (the lossless check). The evaluation is a fixed yardstick
 for every variant: float32 target and drafter, greedy, first turns of the first
@@ -95,7 +95,7 @@ def wait_for_quiet(max_load: float, max_wait_s: float) -> float:
 
 def _eval_prompt_ids(cfg: Any, tokenizer: Any, num_prompts: int) -> list[tuple[str, str, list[int]]]:
     from dflash_trainer.data.tokenize import render_prompt
-    from dflash_trainer.prompt_sets import load_prompts
+    from dflash_trainer.evaluation.prompt_sets import load_prompts
 
     prompts = load_prompts(cfg, limit=num_prompts, first_turn_only=True)
     return [(p.id, p.turns[0], render_prompt(tokenizer, [{"role": "user", "content": p.turns[0]}],
@@ -106,10 +106,11 @@ def worker_baseline(spec: dict[str, Any]) -> dict[str, Any]:
     """Target-only greedy decodes (float32) of the eval prompts: the lossless reference."""
     import torch
 
-    from dflash_trainer import assets
+    from dflash_trainer.core import assets
     from dflash_trainer.config import load_config
     from dflash_trainer.model.target import load_target
-    from dflash_trainer.spec_decode import end_of_turn_ids, target_generate
+    from dflash_trainer.data.tokenize import end_of_turn_ids
+    from dflash_trainer.evaluation.spec_decode import target_generate
 
     torch.set_num_threads(spec["threads"])
     cfg = load_config(spec["config"], spec["overrides"])
@@ -138,11 +139,11 @@ def evaluate_drafter(drafter: Any, cfg: Any, spec: dict[str, Any]) -> dict[str, 
     """Speculative decodes of the cached baseline prompts; tau, histogram, lossless check."""
     import torch
 
-    from dflash_trainer import assets
-    from dflash_trainer.evaluate import request_result, summarize
-    from dflash_trainer.prompt_sets import EvalPrompt
+    from dflash_trainer.core import assets
+    from dflash_trainer.evaluation.evaluate import request_result, summarize
+    from dflash_trainer.evaluation.prompt_sets import EvalPrompt
     from dflash_trainer.model.target import load_target
-    from dflash_trainer.spec_decode import Decoded, speculative_generate
+    from dflash_trainer.evaluation.spec_decode import Decoded, speculative_generate
 
     baseline = json.loads(Path(spec["baseline"]).read_text())
     stops = baseline["stop_token_ids"]
@@ -182,7 +183,7 @@ def worker_evaluate(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from dflash_trainer.config import load_config
-    from dflash_trainer.model.export import load_drafter
+    from dflash_trainer.training.export import load_drafter
 
     torch.set_num_threads(spec["threads"])
     cfg = load_config(spec["config"], spec["overrides"])
@@ -194,8 +195,8 @@ def worker_variant(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from dflash_trainer.config import config_to_dict, load_config
-    from dflash_trainer.dtypes import cpu_model_name
-    from dflash_trainer.train import Trainer
+    from dflash_trainer.model.dtypes import cpu_model_name
+    from dflash_trainer.training.trainer import Trainer
 
     t0 = time.perf_counter()
     cfg = load_config(spec["config"], spec["overrides"])

@@ -24,10 +24,10 @@ PEER_DELAY_S = 2.0
 
 
 def main() -> int:
-    from dflash_trainer.cli import main as cli_main
+    from dflash_trainer.cli.main import main as cli_main
     from dflash_trainer.model.target import FeatureExtractor
-    from dflash_trainer.pipeline.drafter_step import DrafterStep
-    from dflash_trainer.pipeline.pipeline import TrainingPipeline
+    from dflash_trainer.training.pipeline.drafter_step import DrafterStep
+    from dflash_trainer.training.pipeline.pipeline import TrainingPipeline
 
     moment, overrides = sys.argv[1], sys.argv[2:]
     rank = int(os.environ["RANK"])

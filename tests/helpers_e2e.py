@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash_trainer import assets
+from dflash_trainer.core import assets
 
 WORDS = ("the model drafts tokens block diffusion target verify accept speed cache layer "
          "hidden state anchor mask loss gamma decay train step batch bucket queue").split()

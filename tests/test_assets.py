@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash_trainer import assets
-from dflash_trainer.assets import (AssetError, cache_root, file_sha256, load_tokenizer,
-                                   mtbench_questions, resolve_target, sharegpt_file,
-                                   write_dir_atomically)
+from dflash_trainer.core import assets
+from dflash_trainer.core.assets import (AssetError, cache_root, file_sha256, load_tokenizer,
+                                        mtbench_questions, resolve_target, sharegpt_file,
+                                        write_dir_atomically)
 
 
 def test_cache_root_precedence(monkeypatch, tmp_path):

@@ -23,15 +23,15 @@ import torch
 from helpers_e2e import make_chat_jsonl, make_tiny_target, serving
 from transformers import AutoConfig
 
-from dflash_trainer.checkpoint import Checkpointer, SaveRequest, resolve_resume
-from dflash_trainer.cli import main as cli_main
+from dflash_trainer.training.checkpoint import Checkpointer, SaveRequest, resolve_resume
+from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.config import ModelConfig
 from dflash_trainer.data.formats import Location, normalize_record
 from dflash_trainer.data.regen_backends import SamplingParams
 from dflash_trainer.data.regenerate import OpenAIBackend, regenerate
-from dflash_trainer.fsutil import disk_error
+from dflash_trainer.core.fsutil import disk_error
 from dflash_trainer.model.drafter import build_drafter
-from dflash_trainer.model.export import export_drafter
+from dflash_trainer.training.export import export_drafter
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +189,7 @@ def _truncate(path: Path) -> None:
 
 def _retokenize(folder: Path, **attributes: str) -> None:
     """Save the tokenizer of ``folder`` again with some attributes (tokens, template) changed."""
-    from dflash_trainer.assets import load_tokenizer
+    from dflash_trainer.core.assets import load_tokenizer
 
     tokenizer = load_tokenizer(folder)
     for name, value in attributes.items():
@@ -209,7 +209,7 @@ def _broken_target(damage: Callable[[Path], None], command: str = "train") -> Ca
 
 def _signed_drafter(t: Path, d: Path) -> Path:
     """An export of a drafter built with the target's tokenizer (so it records its fingerprint)."""
-    from dflash_trainer.assets import load_tokenizer
+    from dflash_trainer.core.assets import load_tokenizer
 
     drafter = build_drafter(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[0, 1]),
                             AutoConfig.from_pretrained(t), mask_token_id=16, tokenizer=load_tokenizer(t))
@@ -220,7 +220,7 @@ def _wider_vocabulary(t: Path, d: Path) -> Path:
     """The target with 512 more embedding rows (49,664 against 49,152), the same tokenizer."""
     from transformers import LlamaForCausalLM
 
-    from dflash_trainer.assets import load_tokenizer
+    from dflash_trainer.core.assets import load_tokenizer
 
     config = AutoConfig.from_pretrained(t)
     config.vocab_size += 512
@@ -236,7 +236,7 @@ def _other_template(t: Path, d: Path) -> Path:
 
 
 def _template(folder: Path) -> str:
-    from dflash_trainer.assets import load_tokenizer
+    from dflash_trainer.core.assets import load_tokenizer
 
     return load_tokenizer(folder).chat_template
 
@@ -357,7 +357,7 @@ def _narrow_vocabulary(t: Path, d: Path) -> Path:
     """The target with 512 fewer embedding rows (48,640) than its tokenizer has tokens (49,152)."""
     from transformers import LlamaForCausalLM
 
-    from dflash_trainer.assets import load_tokenizer
+    from dflash_trainer.core.assets import load_tokenizer
 
     config = AutoConfig.from_pretrained(t)
     config.vocab_size -= 512
@@ -370,7 +370,7 @@ def _bert(t: Path, d: Path) -> Path:
     """A tiny BERT (an encoder, BertForMaskedLM) with the target's tokenizer."""
     from transformers import BertConfig, BertForMaskedLM
 
-    from dflash_trainer.assets import load_tokenizer
+    from dflash_trainer.core.assets import load_tokenizer
 
     BertForMaskedLM(BertConfig(vocab_size=49152, hidden_size=64, num_hidden_layers=3, num_attention_heads=2,
                                intermediate_size=128)).save_pretrained(d / "bert")
@@ -445,7 +445,7 @@ def _run_dir_in_use(t: Path, d: Path) -> list[str]:
     import sys
 
     ready = d / "held"
-    script = ("import sys, time; from pathlib import Path; from dflash_trainer.locks import "
+    script = ("import sys, time; from pathlib import Path; from dflash_trainer.core.locks import "
               "run_folder_lock; run_folder_lock(sys.argv[1]).acquire(); "
               "Path(sys.argv[2]).write_text('held'); time.sleep(30)")
     src = str(Path(__file__).resolve().parents[1] / "src")
@@ -922,13 +922,13 @@ def test_a_disk_error_while_closing_after_a_failure_is_one_line(
     data = make_chat_jsonl(tmp_path / "chat.jsonl", num=8)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").symlink_to("/dev/full")  # every flush: ENOSPC
-    with caplog.at_level(logging.WARNING, logger="dflash_trainer.train"):
+    with caplog.at_level(logging.WARNING, logger="dflash_trainer.training.trainer"):
         assert cli_main(train_args(target, tmp_path, data)) == 1
     errors = [line for line in capsys.readouterr().err.splitlines()
               if line.startswith("dflash-trainer train: ")]
     assert len(errors) == 1 and errors[0].startswith(
         "dflash-trainer train: disk error: cannot write"), errors
-    closing = [r for r in caplog.records if r.name == "dflash_trainer.train"]
+    closing = [r for r in caplog.records if r.name == "dflash_trainer.training.trainer"]
     assert [(r.levelno, r.exc_info) for r in closing] == [(logging.WARNING, None)], caplog.text
     assert closing[0].getMessage().startswith(
         "closing after the failure failed too: disk error: cannot write"), caplog.text
@@ -1215,7 +1215,7 @@ def test_a_latest_pointer_in_another_encoding_falls_back_to_the_step_folders(
         target: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     ckpt = checkpoint(tmp_path, target)
     (ckpt.parent / "latest").write_text("step-2", encoding="utf-16")
-    with caplog.at_level(logging.WARNING, logger="dflash_trainer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dflash_trainer.training.checkpoint"):
         assert resolve_resume("auto", ckpt.parent) == ckpt
     assert "latest: it should name a step-N folder, but holds b'\\xff\\xfes\\x00t" in caplog.text
 

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from dflash_trainer.pipeline.channel import END, Channel, StageFailure, StopRequested
+from dflash_trainer.training.pipeline.channel import END, Channel, StageFailure, StopRequested
 
 
 def _failure(exc: BaseException) -> StageFailure:

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_trainer.checkpoint import (
+from dflash_trainer.training.checkpoint import (
     CheckpointError, Checkpointer, ResumeError, SaveRequest, checkpoint_names,
     find_resume_checkpoint, load_drafter_weights, load_state, local_part, resolve_resume, snapshot,
     validate_checkpoint)
 from dflash_trainer.data.cache import TokenStore
-from dflash_trainer.errors import DiskError
+from dflash_trainer.core.errors import DiskError
 
 
 def _request(step: int, size: int = 1000) -> SaveRequest:
@@ -131,7 +131,7 @@ def test_stale_tmp_folder_is_removed_at_start_and_never_loaded(tmp_path: Path):
 WRITER = textwrap.dedent("""
     import sys, torch
     from pathlib import Path
-    from dflash_trainer.checkpoint import Checkpointer, SaveRequest
+    from dflash_trainer.training.checkpoint import Checkpointer, SaveRequest
     ck = Checkpointer(Path(sys.argv[1]), keep_last=2, async_save=True)
     step = int(sys.argv[2])
     while True:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dflash_trainer.cli import main as cli_main
+from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.config import Config, ConfigError, TrainingConfig, load_config, save_config
 
 

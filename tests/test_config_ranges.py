@@ -15,8 +15,8 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from dflash_trainer.cli import COMMANDS, build_parser, check_flags
-from dflash_trainer.cli import main as cli_main
+from dflash_trainer.cli.main import COMMANDS, build_parser, check_flags
+from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.config import TOKENS_MAX, ConfigError, Range, is_numeric, load_config, option_ranges
 
 OPTIONS = option_ranges()

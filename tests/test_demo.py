@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from dflash_trainer.demo import _console_info, _results_table
-from dflash_trainer.speedup import LoadSample, PairedTiming, SpeedupMeasurement
+from dflash_trainer.cli.demo import _console_info, _results_table
+from dflash_trainer.evaluation.speedup import LoadSample, PairedTiming, SpeedupMeasurement
 
 
 def test_an_unreliable_speedup_is_marked_in_the_table():
@@ -30,9 +30,9 @@ def test_an_unreliable_speedup_is_marked_in_the_table():
 
 
 def test_the_dtype_choice_is_printed_once_and_the_logger_is_restored(capsys):
-    logger = logging.getLogger("dflash_trainer.dtypes")
+    logger = logging.getLogger("dflash_trainer.model.dtypes")
     level, propagate = logger.level, logger.propagate
-    with _console_info("dflash_trainer.dtypes"):
+    with _console_info("dflash_trainer.model.dtypes"):
         logger.info("model.dtype auto on CPU: %s (probe)", "bfloat16")
         logger.debug("not shown")
     logger.info("after the set-up: back to the trainer's log only")
@@ -42,7 +42,7 @@ def test_the_dtype_choice_is_printed_once_and_the_logger_is_restored(capsys):
 
 
 def test_the_expected_duration_uses_this_machines_last_demo_once_one_recorded(tmp_path):
-    from dflash_trainer import duration
+    from dflash_trainer.cli import duration
 
     cache = tmp_path / "demo-durations.json"
     key = duration.settings_key(probe_key="cpu | torch | threads 1", settings={"steps": [4]})
@@ -62,7 +62,7 @@ def test_the_expected_duration_uses_this_machines_last_demo_once_one_recorded(tm
 
 
 def test_an_unreadable_or_nonsense_durations_cache_falls_back_to_the_defaults(tmp_path, caplog):
-    from dflash_trainer import duration
+    from dflash_trainer.cli import duration
 
     cache = tmp_path / "demo-durations.json"
     cache.write_text("{not json")

@@ -13,15 +13,16 @@ from helpers_e2e import load_with_transformers_alone, make_tiny_target
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from dflash_trainer.cli import main as cli_main
+from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.config import ModelConfig, load_config
-from dflash_trainer.errors import CheckpointError, ConfigError
-from dflash_trainer.model import export
+from dflash_trainer.core.errors import CheckpointError, ConfigError
+from dflash_trainer.training import export
 from dflash_trainer.model.blocks import build_block_inputs, dense_block_mask, position_ids
-from dflash_trainer.model.drafter import build_drafter, drafter_variant, initialise_drafter
+from dflash_trainer.model.drafter import build_drafter, drafter_variant
+from dflash_trainer.training.drafter_init import initialise_drafter
 from dflash_trainer.model.modeling.dflash import BlockLayout, DFlashDraftModel
 from dflash_trainer.model.modeling.dflash2 import CandidateSelector, DFlash2DraftModel, DynamicDepthwiseConv
-from dflash_trainer.spec_decode import speculative_generate
+from dflash_trainer.evaluation.spec_decode import speculative_generate
 
 H, V, BLOCK = 64, 256, 4
 FORMAT = json.loads((Path(__file__).parent / "data" / "dflash2_format.json").read_text())
@@ -351,7 +352,7 @@ def test_transformers_alone_loads_the_dflash2_export(tmp_path: Path) -> None:
 def test_warm_start_refuses_a_drafter_trained_with_another_tokenizer(tiny_target, tmp_path) -> None:
     import copy
 
-    from dflash_trainer import assets
+    from dflash_trainer.core import assets
 
     tokenizer = assets.load_tokenizer(assets.resolve_target("smollm2"))
     other = copy.deepcopy(tokenizer)

@@ -175,7 +175,7 @@ def test_a_dflash2_run_logs_the_selector_reports_it_exports_dflash2_and_resumes(
 
     from helpers_e2e import make_chat_jsonl, make_tiny_target, tiny_run_overrides
 
-    from dflash_trainer.cli import main as cli_main
+    from dflash_trainer.cli.main import main as cli_main
 
     target = make_tiny_target(tmp_path / "target", layers=3)
     run = tmp_path / "run"

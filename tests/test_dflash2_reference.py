@@ -191,7 +191,7 @@ def reference_generate(folder: Path, target: torch.nn.Module, prompt: list[int],
 def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
     from dflash_trainer.config import ModelConfig
     from dflash_trainer.model.drafter import build_drafter
-    from dflash_trainer.model.export import export_drafter
+    from dflash_trainer.training.export import export_drafter
 
     folder = tmp_path_factory.mktemp("dflash2-reference")
     target = AutoModelForCausalLM.from_pretrained(make_tiny_target(folder / "target", layers=4)).eval()
@@ -216,8 +216,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Pa
 
 
 def test_project_decoding_equals_the_reference_prompt_by_prompt(setup) -> None:
-    from dflash_trainer.model.export import load_drafter
-    from dflash_trainer.spec_decode import speculative_generate, target_generate
+    from dflash_trainer.training.export import load_drafter
+    from dflash_trainer.evaluation.spec_decode import speculative_generate, target_generate
 
     target, folder = setup
     drafter = load_drafter(folder)

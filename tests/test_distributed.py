@@ -37,26 +37,26 @@ from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dflash_trainer import components
+from dflash_trainer.training import components
 from dflash_trainer.model.batch import Batch, StepInput
-from dflash_trainer.pipeline import pipeline as pipeline_module
-from dflash_trainer.train import Trainer, any_rank
+from dflash_trainer.training.pipeline import pipeline as pipeline_module
+from dflash_trainer.training.trainer import Trainer, any_rank
 from dflash_trainer.config import (DistributedConfig, ModelConfig, PipelineConfig, TrainingConfig,
                                    load_config)
 from dflash_trainer.data.buckets import Plan, Step, build_plan
-from dflash_trainer.checkpoint import (
+from dflash_trainer.training.checkpoint import (
     load_drafter_weights, load_train_state, local_part, save_train_state, snapshot)
-from dflash_trainer.distributed import (
+from dflash_trainer.core.distributed import (
     DistInfo, all_reduce_sum, apply_training_state, check_distributed_options, close_distributed,
     gather_objects, init_distributed, training_state, wrap_drafter, wrap_target)
 from dflash_trainer.model.blocks import sample_anchors
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.model.objective import DFlashObjective
 from dflash_trainer.model.target import FeatureExtractor, TargetOutputs
-from dflash_trainer.optim import LRSchedule, build_optimizer
-from dflash_trainer.pipeline.metrics import combine
-from dflash_trainer.pipeline.prefetch import BatchPrefetcher
-from dflash_trainer.pipeline.drafter_step import DrafterStep
+from dflash_trainer.training.optim import LRSchedule, build_optimizer
+from dflash_trainer.training.pipeline.metrics import combine
+from dflash_trainer.training.pipeline.prefetch import BatchPrefetcher
+from dflash_trainer.training.pipeline.drafter_step import DrafterStep
 from helpers_e2e import make_chat_jsonl, make_tiny_target
 
 WORLD = 2

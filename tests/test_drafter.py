@@ -8,9 +8,9 @@ import torch
 from torch.nn import functional as F
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config
 
-from dflash_trainer import assets
+from dflash_trainer.core import assets
 from dflash_trainer.config import ModelConfig
-from dflash_trainer.errors import ConfigError
+from dflash_trainer.core.errors import ConfigError
 from dflash_trainer.model.blocks import build_block_inputs, dense_block_mask, position_ids, sample_anchors
 from dflash_trainer.model.drafter import (SIGNATURE_KEY, build_drafter, build_drafter_config, check_compatible,
                                           default_target_layer_ids, init_from_last_layers, tokenizer_signature)

@@ -6,16 +6,16 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_trainer.checkpoint import ResumeError
+from dflash_trainer.training.checkpoint import ResumeError
 from dflash_trainer.config import ModelConfig, config_to_dict, load_config, upgrade_saved_config
-from dflash_trainer.errors import ConfigError
+from dflash_trainer.core.errors import ConfigError
 from dflash_trainer.model.drafter import (
     FINAL_NORM_SCALE,
     build_drafter,
     init_drafter_from_target,
-    initialise_drafter,
 )
-from dflash_trainer.train import check_resume_compatible
+from dflash_trainer.training.drafter_init import initialise_drafter
+from dflash_trainer.training.trainer import check_resume_compatible
 
 SIZES = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 128, "vocab_size": 256}

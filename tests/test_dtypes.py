@@ -11,7 +11,7 @@ import torch
 from helpers_e2e import make_chat_jsonl, make_tiny_target
 
 from dflash_trainer.config import load_config
-from dflash_trainer.dtypes import (
+from dflash_trainer.model.dtypes import (
     BF16_MIN_GAIN,
     DTYPES,
     ProbeShape,
@@ -22,7 +22,7 @@ from dflash_trainer.dtypes import (
     probe_step_seconds,
     resolve_dtype,
 )
-from dflash_trainer.errors import ConfigError
+from dflash_trainer.core.errors import ConfigError
 
 TINY = {"hidden_size": 64, "vocab_size": 256, "intermediate_size": 128, "num_target_layers": 4}
 
@@ -57,7 +57,7 @@ def test_probe_times_both_dtypes_and_leaves_the_global_rng_alone():
 @pytest.mark.slow
 def test_cpu_auto_probes_once_then_reuses_the_cache(tmp_path: Path, caplog):
     cache = tmp_path / "probe.json"
-    with caplog.at_level(logging.INFO, logger="dflash_trainer.dtypes"):
+    with caplog.at_level(logging.INFO, logger="dflash_trainer.model.dtypes"):
         chosen = resolve_dtype("auto", "cpu", **_sizes(), cache_path=cache)
     assert "probe step" in caplog.text and "float32" in caplog.text and "bfloat16" in caplog.text
     entries = json.loads(cache.read_text())
@@ -72,7 +72,7 @@ def test_cpu_auto_probes_once_then_reuses_the_cache(tmp_path: Path, caplog):
     entries[key]["choice"] = other
     cache.write_text(json.dumps(entries))
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="dflash_trainer.dtypes"):
+    with caplog.at_level(logging.INFO, logger="dflash_trainer.model.dtypes"):
         assert resolve_dtype("auto", "cpu", **_sizes(), cache_path=cache) is DTYPES[other]
     assert "cached probe" in caplog.text
     # Another thread count is another machine setting: probed again, both kept.
@@ -100,7 +100,7 @@ def tiny_setup(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.mark.parametrize("choice", ["bfloat16", "float32"])
 def test_trainer_honours_the_cached_choice(tiny_setup, tmp_path: Path, monkeypatch, choice: str):
-    from dflash_trainer.train import Trainer
+    from dflash_trainer.training.trainer import Trainer
 
     target, data = tiny_setup
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))

@@ -16,22 +16,22 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from dflash_trainer.cli import build_parser
-from dflash_trainer.cli import main as cli_main
+from dflash_trainer.cli.main import build_parser
+from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.config import ModelConfig, load_config
 from dflash_trainer.engines import compare
 from dflash_trainer.engines.llama_cpp_server import LlamaCompletion
 from dflash_trainer.engines.serve_llama_cpp import LlamaCppOptions, _summarize
 from dflash_trainer.engines.serve_vllm import ServedRun
 from dflash_trainer.engines.vllm_server import Completion, SpecCounters
-from dflash_trainer.errors import ConfigError
-from dflash_trainer.evaluate import (EvalReport, check_engine_option, domain_summaries, engine_requests,
-                                     request_result, summarize, write_results)
+from dflash_trainer.core.errors import ConfigError
+from dflash_trainer.evaluation.evaluate import (EvalReport, check_engine_option, domain_summaries, engine_requests,
+                                                request_result, summarize, write_results)
 from dflash_trainer.model.drafter import build_drafter
-from dflash_trainer.model.export import export_drafter
-from dflash_trainer.prompt_sets import EvalPrompt
-from dflash_trainer.report import write_report
-from dflash_trainer.spec_decode import Decoded
+from dflash_trainer.training.export import export_drafter
+from dflash_trainer.evaluation.prompt_sets import EvalPrompt
+from dflash_trainer.reporting.report import write_report
+from dflash_trainer.evaluation.spec_decode import Decoded
 from helpers_e2e import make_tiny_target
 
 DOMAINS = ["mtbench", "mtbench", "math", "math"]
@@ -164,7 +164,7 @@ def test_numerics_and_failed_engines_set_the_exit_status(tmp_path: Path):
 
 
 def test_later_turns_reach_the_engines_after_the_projects_answer():
-    from dflash_trainer.assets import load_tokenizer, resolve_target
+    from dflash_trainer.core.assets import load_tokenizer, resolve_target
 
     tokenizer = load_tokenizer(resolve_target("smollm2"))
     prompts = [EvalPrompt(id="a", turns=["first?", "second?"], system="Be brief.")]

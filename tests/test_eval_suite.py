@@ -15,14 +15,14 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from dflash_trainer.cli import main as cli_main
+from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.config import ModelConfig, load_config
-from dflash_trainer.errors import ConfigError
+from dflash_trainer.core.errors import ConfigError
 from dflash_trainer.model.drafter import build_drafter
-from dflash_trainer.model.export import export_drafter
-from dflash_trainer.prompt_sets import (PROMPT_SETS, EvalPrompt, humaneval_prompts, load_prompts, math_prompts,
-                                        mtbench_prompts, spread, suite_prompts)
-from dflash_trainer.report import write_report
+from dflash_trainer.training.export import export_drafter
+from dflash_trainer.evaluation.prompt_sets import (PROMPT_SETS, EvalPrompt, humaneval_prompts, load_prompts,
+                                                   math_prompts, mtbench_prompts, spread, suite_prompts)
+from dflash_trainer.reporting.report import write_report
 from helpers_e2e import make_tiny_target
 
 

@@ -17,16 +17,16 @@ from transformers import AutoConfig, AutoModel, LlamaConfig, LlamaForCausalLM
 
 from dflash_trainer.config import ModelConfig, load_config
 from dflash_trainer.data.tokenize import render_prompt
-from dflash_trainer.errors import CheckpointError
-from dflash_trainer.evaluate import (EvalReport, InTrainingEval, print_summary, request_result, summarize,
-                                     write_results)
-from dflash_trainer.prompt_sets import EvalError, EvalPrompt, mtbench_prompts, read_prompt_file
+from dflash_trainer.core.errors import CheckpointError
+from dflash_trainer.evaluation.evaluate import (EvalReport, InTrainingEval, print_summary, request_result, summarize,
+                                                write_results)
+from dflash_trainer.evaluation.prompt_sets import EvalError, EvalPrompt, mtbench_prompts, read_prompt_file
 from dflash_trainer.model.drafter import build_drafter
-from dflash_trainer.model.export import export_drafter
+from dflash_trainer.training.export import export_drafter
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
 from dflash_trainer.model.objective import DFlashObjective
 from dflash_trainer.model.target import FeatureExtractor
-from dflash_trainer.spec_decode import Decoded, first_mismatch, speculative_generate, target_generate
+from dflash_trainer.evaluation.spec_decode import Decoded, first_mismatch, speculative_generate, target_generate
 from helpers_objective import run_objective
 
 BLOCK = 8
@@ -183,7 +183,7 @@ def test_exported_drafter_via_automodel_matches_in_project_module(tmp_path, targ
 
 def test_in_training_eval(target, prompt, greedy, trained_drafter):
     other = torch.randint(0, 120, (1, 11), generator=torch.Generator().manual_seed(5))
-    from dflash_trainer.assets import load_tokenizer, resolve_target
+    from dflash_trainer.core.assets import load_tokenizer, resolve_target
 
     tokenizer = load_tokenizer(resolve_target("smollm2"))  # ids < 128 decode to text too
     evaluator = InTrainingEval(target, [prompt[0].tolist(), other[0].tolist()], max_new_tokens=1 + 3 * BLOCK,
@@ -282,10 +282,10 @@ def test_read_prompt_file(tmp_path):
 def test_eval_command_on_smollm2_mtbench(tmp_path):
     """``dflash-trainer eval`` on the real SmolLM2 target, a random drafter and 2 two-turn
     MT-Bench prompts: lossless, tau ~1, outputs written, turn 2 follows the model's answer."""
-    from dflash_trainer import evaluate
-    from dflash_trainer.assets import load_tokenizer, resolve_target
+    from dflash_trainer.evaluation import evaluate
+    from dflash_trainer.core.assets import load_tokenizer, resolve_target
     from dflash_trainer.model.target import resolve_mask_token_id
-    from dflash_trainer.report import read_evals
+    from dflash_trainer.reporting.report import read_evals
 
     path = resolve_target("smollm2")
     config, tokenizer = AutoConfig.from_pretrained(path), load_tokenizer(path)
@@ -323,7 +323,7 @@ def test_eval_command_on_smollm2_mtbench(tmp_path):
 
 
 def test_report_roundtrip_of_outputs(tmp_path):
-    from dflash_trainer.speedup import MachineProbe, PairedTimer
+    from dflash_trainer.evaluation.speedup import MachineProbe, PairedTimer
 
     quiet = MachineProbe(cpus=lambda: 2, load_average=lambda: 0.5, others_running=lambda: 0.0)
     with PairedTimer(probe=quiet).run() as run:
@@ -347,9 +347,9 @@ def test_acceptance_trace_and_streamed_spans(target, prompt, greedy):
     """An oracle that drafts the greedy continuation with every 5th position wrong: the trace
     names each step's drafts and accepted count, the streamed spans equal the final ones and
     cover the output, and the trace texts spell the answer."""
-    from dflash_trainer.assets import load_tokenizer, resolve_target
-    from dflash_trainer.evaluate import acceptance_trace
-    from dflash_trainer.spec_decode import Span, acceptance_spans
+    from dflash_trainer.core.assets import load_tokenizer, resolve_target
+    from dflash_trainer.evaluation.evaluate import acceptance_trace
+    from dflash_trainer.evaluation.spec_decode import Span, acceptance_spans
 
     sequence = prompt[0].tolist() + greedy
     corrupted = [t if i < PROMPT_LEN or (i - PROMPT_LEN) % 5 != 3 else (t + 1) % 120

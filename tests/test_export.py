@@ -11,11 +11,11 @@ from safetensors import safe_open
 from transformers import LlamaConfig
 from helpers_e2e import load_with_transformers_alone
 
-from dflash_trainer import assets
-from dflash_trainer.checkpoint import Checkpointer, SaveRequest
+from dflash_trainer.core import assets
+from dflash_trainer.training.checkpoint import Checkpointer, SaveRequest
 from dflash_trainer.config import ModelConfig, load_config
-from dflash_trainer.errors import CheckpointError, ConfigError
-from dflash_trainer.model import export
+from dflash_trainer.core.errors import CheckpointError, ConfigError
+from dflash_trainer.training import export
 from dflash_trainer.model.drafter import SIGNATURE_KEY, build_drafter, tokenizer_signature
 
 H, V, BLOCK = 64, 256, 4

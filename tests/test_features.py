@@ -21,14 +21,14 @@ from typing import Any
 import pytest
 import torch
 
-from dflash_trainer.cli import main as cli_main
+from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.config import load_config
-from dflash_trainer.distributed import DistInfo
-from dflash_trainer.errors import DiskError
+from dflash_trainer.core.distributed import DistInfo
+from dflash_trainer.core.errors import DiskError
 from dflash_trainer.features.build import build_store
 from dflash_trainer.features.manifest import INDEX, Manifest, ShardRecord, shard_path
 from dflash_trainer.features.store import FeatureStore
-from dflash_trainer.train import Trainer
+from dflash_trainer.training.trainer import Trainer
 from helpers_e2e import make_chat_jsonl, make_tiny_target, tiny_run_overrides
 
 pytestmark = pytest.mark.slow

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trainer.assets import load_tokenizer, resolve_target
-from dflash_trainer.cli import main as cli_main
-from dflash_trainer.generate import SpanWriter, generate_answer, legend, span_colour
-from dflash_trainer.spec_decode import Span
+from dflash_trainer.core.assets import load_tokenizer, resolve_target
+from dflash_trainer.cli.main import main as cli_main
+from dflash_trainer.evaluation.generate import SpanWriter, generate_answer, legend, span_colour
+from dflash_trainer.evaluation.spec_decode import Span
 from helpers_e2e import make_chat_jsonl, make_tiny_target
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -78,8 +78,8 @@ def test_generate_command_on_a_trained_drafter(tiny_run, capsys, tmp_path, monke
 @pytest.mark.slow
 def test_streamed_spans_spell_the_answer(tiny_run):
     from dflash_trainer.config import load_config
-    from dflash_trainer.evaluate import load_models
-    from dflash_trainer.spec_decode import end_of_turn_ids
+    from dflash_trainer.evaluation.evaluate import load_models
+    from dflash_trainer.data.tokenize import end_of_turn_ids
 
     target_dir, drafter_dir = tiny_run
     cfg = load_config(None, [f"model.target={target_dir}", "pipeline.device=cpu"])

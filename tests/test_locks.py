@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_trainer.cli import main as cli_main
+from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.data.cache import TokenStore, TokenStoreWriter
-from dflash_trainer.errors import DiskError, LockError
-from dflash_trainer.fsutil import remove_stale_temp_dirs, write_dir_atomically
-from dflash_trainer.locks import run_folder_lock
+from dflash_trainer.core.errors import DiskError, LockError
+from dflash_trainer.core.fsutil import remove_stale_temp_dirs, write_dir_atomically
+from dflash_trainer.core.locks import run_folder_lock
 from helpers_e2e import make_chat_jsonl, make_tiny_target, tiny_run_overrides
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -52,7 +52,7 @@ def wait_for(condition, timeout: float, what: str):
 HOLD = """
     import sys, time
     from pathlib import Path
-    from dflash_trainer.locks import run_folder_lock
+    from dflash_trainer.core.locks import run_folder_lock
     run_folder_lock(sys.argv[1]).acquire()
     Path(sys.argv[2]).write_text("held")
     time.sleep(float(sys.argv[3]))
@@ -99,7 +99,7 @@ def test_another_process_holding_the_lock_is_named_and_a_killed_one_is_taken_ove
     finally:
         stop(proc)
     assert json.loads((run_dir / ".lock").read_text())["pid"] == proc.pid, "left behind"
-    with caplog.at_level(logging.WARNING, logger="dflash_trainer.locks"):
+    with caplog.at_level(logging.WARNING, logger="dflash_trainer.core.locks"):
         lock = run_folder_lock(run_dir).acquire()
     assert f"taking over the lock of pid {proc.pid}" in caplog.text
     lock.release()
@@ -126,7 +126,7 @@ def test_a_lock_held_by_a_child_of_a_dead_holder_says_so(tmp_path: Path) -> None
     proc = python("""
         import os, sys, time
         from pathlib import Path
-        from dflash_trainer.locks import run_folder_lock
+        from dflash_trainer.core.locks import run_folder_lock
         run_folder_lock(sys.argv[1]).acquire()
         pid = os.fork()  # the child shares the locked open file
         if pid == 0:
@@ -200,7 +200,7 @@ def test_a_killed_build_leaves_a_folder_that_the_next_build_removes(
         stop(proc)
         left = [p.name for p in path.parent.iterdir()]
         assert any(re.fullmatch(rf"\.key\.tmp-{proc.pid}-.+", n) for n in left), left
-        with caplog.at_level(logging.WARNING, logger="dflash_trainer.fsutil"):
+        with caplog.at_level(logging.WARNING, logger="dflash_trainer.core.fsutil"):
             store = TokenStore.build(path, lambda w: (w.add(np.arange(3), np.ones(3)), {})[1])
         assert store.built_here and len(store) == 1
         names = sorted(p.name for p in path.parent.iterdir())
@@ -237,8 +237,8 @@ def test_a_disk_error_without_a_file_name_names_the_commands_folder(tmp_path: Pa
     import argparse
     import errno
 
-    from dflash_trainer.cli import output_folder
-    from dflash_trainer.fsutil import disk_error
+    from dflash_trainer.cli.main import output_folder
+    from dflash_trainer.core.fsutil import disk_error
     from dflash_trainer.config import load_config
 
     assert disk_error(RuntimeError("a bug"), folder=tmp_path / "run") is None
@@ -256,7 +256,7 @@ def test_a_disk_error_without_a_file_name_names_the_commands_folder(tmp_path: Pa
 # --- two real train processes, one run folder -----------------------------------------------------
 
 _CTX = multiprocessing.get_context("forkserver")
-_CTX.set_forkserver_preload(["dflash_trainer.cli", "dflash_trainer.train"])
+_CTX.set_forkserver_preload(["dflash_trainer.cli.main", "dflash_trainer.training.trainer"])
 
 
 def _train_child(argv: list[str], log: str) -> None:

@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from dflash_trainer.assets import load_tokenizer, resolve_target
-from dflash_trainer.cli import main as cli_main
+from dflash_trainer.core.assets import load_tokenizer, resolve_target
+from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.config import ModelConfig
 from dflash_trainer.model.drafter import build_drafter
-from dflash_trainer.model.export import export_drafter
+from dflash_trainer.training.export import export_drafter
 from dflash_trainer.model.target import resolve_mask_token_id
 
 

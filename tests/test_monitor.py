@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trainer.pipeline.metrics import Max, MeanSpread, Min, Ratio, Sum, combine
-from dflash_trainer.pipeline.monitor import Monitor
-from dflash_trainer.trackers import JsonlTracker, Trackers
+from dflash_trainer.training.pipeline.metrics import Max, MeanSpread, Min, Ratio, Sum, combine
+from dflash_trainer.training.pipeline.monitor import Monitor
+from dflash_trainer.training.trackers import JsonlTracker, Trackers
 
 
 class Clock:

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dflash_trainer.config import load_config
-from dflash_trainer.errors import ConfigError
-from dflash_trainer.optim import LRSchedule, build_optimizer, lr_at
+from dflash_trainer.core.errors import ConfigError
+from dflash_trainer.training.optim import LRSchedule, build_optimizer, lr_at
 
 
 def test_optimizer_uses_configured_hyperparameters():

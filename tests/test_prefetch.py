@@ -10,10 +10,10 @@ import torch
 from dflash_trainer.config import PipelineConfig
 from dflash_trainer.data.buckets import build_plan
 from dflash_trainer.model.batch import Batch
-from dflash_trainer.pipeline.channel import Channel
-from dflash_trainer.pipeline.metrics import combine
-from dflash_trainer.pipeline.prefetch import BatchPrefetcher, PrefetchOptions
-from dflash_trainer.pipeline.stage import Supervisor
+from dflash_trainer.training.pipeline.channel import Channel
+from dflash_trainer.training.pipeline.metrics import combine
+from dflash_trainer.training.pipeline.prefetch import BatchPrefetcher, PrefetchOptions
+from dflash_trainer.training.pipeline.stage import Supervisor
 
 BLOCK = 4
 ANCHORS = 6

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import yaml
 
-from dflash_trainer.assets import load_tokenizer, resolve_target
-from dflash_trainer.cli import main as cli_main
+from dflash_trainer.core.assets import load_tokenizer, resolve_target
+from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.config import load_config
 from dflash_trainer.data.formats import Conversation, DataError, Location
 from dflash_trainer.data.prepare import build_dataset, format_report, heldout_conversations

@@ -54,7 +54,7 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def smollm2() -> Iterator[tuple[Path, Any, Any]]:
     from transformers import AutoModelForCausalLM
 
-    from dflash_trainer.assets import load_tokenizer, resolve_target
+    from dflash_trainer.core.assets import load_tokenizer, resolve_target
 
     # One intra-op thread: tiny matmuls gain nothing from more, and on the shared 2-core
     # machine spinning OpenMP workers cost several times the work itself.
@@ -401,7 +401,7 @@ def test_openai_backend_gives_up_after_retries() -> None:
 def test_cli_writes_messages_jsonl_that_prepare_reads(
         smollm2: tuple[Path, Any, Any], tmp_path: Path,
         capsys: pytest.CaptureFixture[str]) -> None:
-    from dflash_trainer.cli import main as cli_main
+    from dflash_trainer.cli.main import main as cli_main
     from dflash_trainer.data.formats import Conversation, expand_paths, read_records
 
     data = tmp_path / "chats.jsonl"
@@ -441,7 +441,7 @@ def test_cli_writes_messages_jsonl_that_prepare_reads(
 
 
 def test_cli_openai_backend(chat_server: ChatServer, tmp_path: Path) -> None:
-    from dflash_trainer.cli import main as cli_main
+    from dflash_trainer.cli.main import main as cli_main
 
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for _, m in CONVERSATIONS))

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dflash_trainer.cli import main as cli_main
+from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.config import Config, save_config
-from dflash_trainer.report import PLOTS, QUEUE_DEPTH, read_metrics, write_report
-from dflash_trainer.trackers import JsonlTracker
+from dflash_trainer.reporting.report import PLOTS, QUEUE_DEPTH, read_metrics, write_report
+from dflash_trainer.training.trackers import JsonlTracker
 
 BLOCK = 4
 
@@ -252,7 +252,7 @@ def test_report_renders_in_a_headless_browser(run_dir: Path, tmp_path: Path):
 
 
 def test_the_headline_tau_names_what_it_was_measured_on(tmp_path: Path):
-    from dflash_trainer.report import EvalResult, verdict
+    from dflash_trainer.reporting.report import EvalResult, verdict
 
     demo = EvalResult(name="results", data={"tau": 1.262, "prompts": "mtbench", "num_prompts": 8,
                                             "max_new_tokens": 64})

@@ -20,13 +20,13 @@ import torch
 
 from torch.distributed.checkpoint import FileSystemReader
 
-from dflash_trainer.checkpoint import (
+from dflash_trainer.training.checkpoint import (
     TRAIN_DIR, CheckpointError, Checkpointer, ResumeError, SaveRequest, _write_manifest,
     load_drafter_weights, load_state, validate_checkpoint)
-from dflash_trainer.cli import main as cli_main
+from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.config import load_config
-from dflash_trainer.model.export import load_drafter
-from dflash_trainer.train import Trainer
+from dflash_trainer.training.export import load_drafter
+from dflash_trainer.training.trainer import Trainer
 from helpers_e2e import make_chat_jsonl, make_tiny_target, tiny_run_overrides, wandb_records
 
 # Three trainings share one module fixture: about 30 s.

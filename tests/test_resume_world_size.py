@@ -64,8 +64,8 @@ SCRIPT = textwrap.dedent("""
     import json, sys
     from pathlib import Path
     from dflash_trainer.config import load_config
-    from dflash_trainer.distributed import close_distributed
-    from dflash_trainer.train import Trainer
+    from dflash_trainer.core.distributed import close_distributed
+    from dflash_trainer.training.trainer import Trainer
 
     out, stop, *args = sys.argv[1:]
     trainer = Trainer(load_config(None, args))

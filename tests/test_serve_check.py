@@ -18,7 +18,7 @@ from dflash_trainer.config import ModelConfig
 from dflash_trainer.engines import compare, serve_llama_cpp, serve_vllm, vllm_env, vllm_server
 from dflash_trainer.engines.llama_cpp_server import LlamaCompletion
 from dflash_trainer.model.drafter import build_drafter
-from dflash_trainer.model.export import export_drafter
+from dflash_trainer.training.export import export_drafter
 from tools import serve_check  # the repository root is on pytest's path; tools/ holds the script
 
 METRICS = textwrap.dedent("""\

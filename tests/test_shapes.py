@@ -17,7 +17,7 @@ from dflash_trainer.model.modeling import dflash as dflash_module
 from dflash_trainer.model.objective import DFlashObjective
 from dflash_trainer.model.shapes import FLEX_BLOCK, pad_blocks, shape_sizes
 from dflash_trainer.model.target import TargetOutputs
-from dflash_trainer.pipeline.prefetch import PrefetchOptions, collate
+from dflash_trainer.training.pipeline.prefetch import PrefetchOptions, collate
 
 BLOCK = 16
 HIDDEN = 32

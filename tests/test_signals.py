@@ -33,11 +33,11 @@ from typing import Any
 
 import pytest
 
-from dflash_trainer.checkpoint import find_resume_checkpoint, load_state, validate_checkpoint
+from dflash_trainer.training.checkpoint import find_resume_checkpoint, load_state, validate_checkpoint
 from dflash_trainer.config import load_config
-from dflash_trainer.model.export import load_drafter
+from dflash_trainer.training.export import load_drafter
 from dflash_trainer.model.target import FeatureExtractor
-from dflash_trainer.train import Trainer
+from dflash_trainer.training.trainer import Trainer
 from helpers_e2e import make_chat_jsonl, make_tiny_target, tiny_run_overrides, wandb_records
 
 # Trainings in child processes, killed and resumed: tens of seconds.
@@ -47,10 +47,10 @@ SIGNAL_EXIT_BOUND_S = 15.0
 """Signal -> exit on this shared 2-core machine: one step + final checkpoint + export + close."""
 
 _CTX = multiprocessing.get_context("forkserver")
-_CTX.set_forkserver_preload(["dflash_trainer.cli", "dflash_trainer.train", "dflash_trainer.demo",
-                             "dflash_trainer.evaluate", "dflash_trainer.generate",
-                             "dflash_trainer.data.regenerate", "dflash_trainer.report",
-                             "dflash_trainer.model.export", "test_signals"])
+_CTX.set_forkserver_preload(["dflash_trainer.cli.main", "dflash_trainer.training.trainer", "dflash_trainer.cli.demo",
+                             "dflash_trainer.evaluation.evaluate", "dflash_trainer.evaluation.generate",
+                             "dflash_trainer.data.regenerate", "dflash_trainer.reporting.report",
+                             "dflash_trainer.training.export", "test_signals"])
 
 WANDB_ENV = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
              "WANDB_BASE_URL": "http://127.0.0.1:9"}
@@ -78,11 +78,11 @@ def _child(argv: list[str], log: str, env: dict[str, str], fail_stamp: str | Non
     os.dup2(fd, 2)
     os.environ.update(env)
     if fail_stamp is not None:
-        import dflash_trainer.components as components_module
+        import dflash_trainer.training.components as components_module
 
         FailingExtractor.stamp = Path(fail_stamp)
         components_module.FeatureExtractor = FailingExtractor
-    from dflash_trainer.cli import main
+    from dflash_trainer.cli.main import main
 
     code = main(["train", *argv])
     sys.stdout.flush()
@@ -227,7 +227,7 @@ def _plan_totals(setup: dict[str, Path], tmp_path: Path) -> tuple[int, int]:
 
 def test_stage_failure_fails_fast_with_the_original_error_and_no_threads(
         setup, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    import dflash_trainer.components as components_module
+    import dflash_trainer.training.components as components_module
 
     stamp = tmp_path / "raised_at"
     monkeypatch.setattr(FailingExtractor, "stamp", stamp)
@@ -299,7 +299,7 @@ def _command_child(argv: list[str], log: str, hold: tuple[str, str], stamp: str)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     _hold(*hold, stamp)
-    from dflash_trainer.cli import main
+    from dflash_trainer.cli.main import main
 
     code = main(argv)
     sys.stdout.flush()
@@ -311,7 +311,7 @@ def _command_child(argv: list[str], log: str, hold: tuple[str, str], stamp: str)
 def finished_run(setup) -> dict[str, Path]:
     """A short finished run (its checkpoint, exported drafter and metrics) to evaluate, export,
     report and generate from."""
-    from dflash_trainer.cli import main
+    from dflash_trainer.cli.main import main
 
     run_dir = setup["root"] / "finished"
     assert main(["train", *overrides(setup, run_dir, "training.max_steps=2")]) == 0
@@ -336,12 +336,12 @@ def _command_cases(setup: dict[str, Path], run: dict[str, Path], d: Path) -> dic
         "eval": (["eval", "--drafter", str(run["drafter"]), "--out", str(d / "eval"), *target,
                   *eval_args], (_MODEL, "block"), [d]),
         "export": (["export", "--checkpoint", str(run["checkpoint"]), "--out", str(d / "out")],
-                   ("dflash_trainer.model.export:save_safetensors", "after"), [d]),
+                   ("dflash_trainer.training.export:save_safetensors", "after"), [d]),
         "regenerate": (["regenerate", "--data", str(setup["data"]), "--out", str(d / "o.jsonl"),
                         "--max-new-tokens", "4", "--limit", "2", *target],
                        (_MODEL, "block"), [d]),
         "demo": (["demo", *overrides(setup, d / "run"), *eval_args],
-                 ("dflash_trainer.pipeline.drafter_step:DrafterStep.train_micro_batch", "slow"),
+                 ("dflash_trainer.training.pipeline.drafter_step:DrafterStep.train_micro_batch", "slow"),
                  [d / "run", d / "run" / "checkpoints"]),
         "report": (["report", str(run["run"])], ("matplotlib.figure:Figure.savefig", "block"),
                    [run["run"], run["run"] / "report"]),
@@ -390,7 +390,7 @@ def test_what_a_sigkill_leaves_is_removed_by_the_next_run(setup, finished_run, t
                                                           command: str):
     """SIGKILL cannot be caught: the half-written token store or export stays as a hidden
     ``.NAME.tmp-PID-*`` folder until the next run into the same folder removes it."""
-    from dflash_trainer.cli import main
+    from dflash_trainer.cli.main import main
 
     argv, hold, _ = _command_cases(setup, finished_run, tmp_path)[command]
     folder = tmp_path / "cache" if command == "prepare" else tmp_path

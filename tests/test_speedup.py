@@ -14,12 +14,13 @@ from test_evaluate import tiny_target
 from transformers import LlamaForCausalLM
 
 from dflash_trainer.config import ModelConfig
-from dflash_trainer.evaluate import InTrainingEval, request_result, summarize
-from dflash_trainer.prompt_sets import EvalPrompt
+from dflash_trainer.evaluation.evaluate import InTrainingEval, request_result, summarize
+from dflash_trainer.evaluation.prompt_sets import EvalPrompt
 from dflash_trainer.model.drafter import build_drafter
-from dflash_trainer.spec_decode import Decoded, speculative_generate, target_generate
-from dflash_trainer.speedup import (SCATTER_BOUND, LoadSample, MachineProbe, PairedTimer, PairedTiming,
-                                    SpeedupMeasurement, describe_measurement, format_speedup, free_core_threads)
+from dflash_trainer.evaluation.spec_decode import Decoded, speculative_generate, target_generate
+from dflash_trainer.evaluation.speedup import (SCATTER_BOUND, LoadSample, MachineProbe, PairedTimer, PairedTiming,
+                                               SpeedupMeasurement, describe_measurement, format_speedup,
+                                               free_core_threads)
 
 BLOCK = 4
 MAX_NEW = 16
@@ -210,7 +211,7 @@ def test_labels():
 
 
 def test_the_break_even_tau_is_the_pooled_step_cost():
-    from dflash_trainer.speedup import pay_off_line
+    from dflash_trainer.evaluation.speedup import pay_off_line
 
     timings = [PairedTiming(index=i, target_first=i % 2 == 0, threads=1, target_s=t, target_tokens=40, spec_s=s,
                             spec_tokens=40, spec_steps=steps) for i, (t, s, steps) in

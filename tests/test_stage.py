@@ -8,8 +8,8 @@ import traceback
 
 import pytest
 
-from dflash_trainer.pipeline.channel import END, Channel
-from dflash_trainer.pipeline.stage import GracefulStop, Stage, Supervisor
+from dflash_trainer.training.pipeline.channel import END, Channel
+from dflash_trainer.training.pipeline.stage import GracefulStop, Stage, Supervisor
 
 
 class Source(Stage):

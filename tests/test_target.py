@@ -11,10 +11,10 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
                           Qwen3Config, Qwen3ForCausalLM)
 
-from dflash_trainer import assets
-from dflash_trainer.assets import AssetError, resolve_target
+from dflash_trainer.core import assets
+from dflash_trainer.core.assets import AssetError, resolve_target
 from dflash_trainer.config import ModelConfig
-from dflash_trainer.errors import ConfigError, TargetError
+from dflash_trainer.core.errors import ConfigError, TargetError
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.model.target import (FeatureExtractor, check_target_layer_ids, load_target,
                                          resolve_mask_token_id)

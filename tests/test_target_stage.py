@@ -14,11 +14,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash_trainer.model.batch import Batch, StepInput
 from dflash_trainer.model.target import FeatureExtractor, TargetOutputs
-from dflash_trainer.pipeline import target_stage
-from dflash_trainer.pipeline.channel import Channel
-from dflash_trainer.pipeline.metrics import Sum
-from dflash_trainer.pipeline.stage import Supervisor
-from dflash_trainer.pipeline.target_stage import PeerStopped, TargetStage
+from dflash_trainer.training.pipeline import target_stage
+from dflash_trainer.training.pipeline.channel import Channel
+from dflash_trainer.training.pipeline.metrics import Sum
+from dflash_trainer.training.pipeline.stage import Supervisor
+from dflash_trainer.training.pipeline.target_stage import PeerStopped, TargetStage
 
 CPU = torch.device("cpu")
 
@@ -156,7 +156,7 @@ def _run_stage(agreement: ScriptedAgreement, sent: list[Batch], *, fail: bool = 
     for b in sent:
         inputs.put(b)
     if fail:
-        from dflash_trainer.pipeline.channel import StageFailure
+        from dflash_trainer.training.pipeline.channel import StageFailure
 
         inputs.fail(StageFailure.capture(RuntimeError("prefetch broke"), "prefetch"))
     else:

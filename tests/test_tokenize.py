@@ -10,7 +10,7 @@ import copy
 import numpy as np
 import pytest
 
-from dflash_trainer.assets import load_tokenizer, resolve_target
+from dflash_trainer.core.assets import load_tokenizer, resolve_target
 from dflash_trainer.data.formats import Conversation, Location, Tokenized
 from dflash_trainer.data.tokenize import (ChatTokenizer, Dropped, Encoded, TemplateError,
                                           TokenizeOptions, trim_conversation)

@@ -9,8 +9,8 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from dflash_trainer.config import LoggingConfig
-from dflash_trainer.trackers import (ConsoleTracker, JsonlTracker, StepValues, TensorBoardTracker,
-                                     Tracker, Trackers, build_trackers)
+from dflash_trainer.training.trackers import (ConsoleTracker, JsonlTracker, StepValues, TensorBoardTracker,
+                                              Tracker, Trackers, build_trackers)
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trainer.cli import main as cli_main
-from dflash_trainer.prompt_sets import mtbench_prompts
+from dflash_trainer.cli.main import main as cli_main
+from dflash_trainer.evaluation.prompt_sets import mtbench_prompts
 from helpers_e2e import make_chat_jsonl, make_tiny_target
 
 # Full CLI runs (train, demo with evaluation): about a minute.

@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from dflash_trainer import components
+from dflash_trainer.training import components
 from dflash_trainer.config import load_config
 from dflash_trainer.data.buckets import Plan
-from dflash_trainer.pipeline.drafter_step import NonFiniteError
-from dflash_trainer.train import Trainer
+from dflash_trainer.training.pipeline.drafter_step import NonFiniteError
+from dflash_trainer.training.trainer import Trainer
 from helpers_e2e import make_chat_jsonl, make_tiny_target, tiny_run_overrides
 
 REPO = Path(__file__).resolve().parents[1]

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_trainer.engines.compare import (acceptance_from_lengths, domain_indices, format_domains, llama_cpp_domains,
-                                           project_domains, vllm_domains)
+                                            project_domains, vllm_domains)
 from dflash_trainer.engines.llama_cpp_build import BuildError, default_folder
 from dflash_trainer.engines.serve_llama_cpp import LlamaCppOptions, cost_model, run_llama_cpp
 from dflash_trainer.engines.serve_vllm import ServedRun, VllmOptions, same_output, serve_vllm
@@ -75,8 +75,8 @@ def log(message: str) -> None:
 
 def check_drafter(folder: Path) -> None:
     """Raise :class:`DrafterError` unless ``folder`` is an export whose weights all load."""
-    from dflash_trainer.errors import UserError
-    from dflash_trainer.model.export import load_drafter
+    from dflash_trainer.core.errors import UserError
+    from dflash_trainer.training.export import load_drafter
 
     for name in ("config.json", "model.safetensors"):
         if not (folder / name).is_file():
@@ -89,13 +89,13 @@ def check_drafter(folder: Path) -> None:
 
 
 def check_agreement(folder: Path, target_dir: Path) -> None:
-    """Raise a :class:`~dflash_trainer.errors.CheckpointError` unless the drafter was trained for
+    """Raise a :class:`~dflash_trainer.core.errors.CheckpointError` unless the drafter was trained for
     this target: vocabulary, hidden size and (recorded by newer exports) the tokenizer's chat
     template and special ids. Cheap (configs and tokenizer only), so it runs before any server."""
     from transformers import AutoConfig
 
-    from dflash_trainer.assets import load_tokenizer
-    from dflash_trainer.model.export import check_fits_target, read_drafter_config
+    from dflash_trainer.core.assets import load_tokenizer
+    from dflash_trainer.training.export import check_fits_target, read_drafter_config
 
     check_fits_target(read_drafter_config(folder), AutoConfig.from_pretrained(target_dir),
                       load_tokenizer(target_dir), drafter=f"the drafter {folder}", target=str(target_dir),
@@ -124,7 +124,7 @@ def untrained_drafter(target_dir: Path, out: Path) -> Path:
 
     from dflash_trainer.config import load_config
     from dflash_trainer.model.drafter import build_drafter
-    from dflash_trainer.model.export import export_drafter
+    from dflash_trainer.training.export import export_drafter
     from dflash_trainer.model.target import resolve_mask_token_id
 
     cfg = load_config(REPO / "configs" / "demo-cpu.yaml")
@@ -138,8 +138,8 @@ def untrained_drafter(target_dir: Path, out: Path) -> Path:
 
 def export_from_run(run_dir: Path, out: Path) -> Path:
     """``RUN/drafter`` when the run exported one, else its newest checkpoint exported to ``out``."""
-    from dflash_trainer.checkpoint import find_resume_checkpoint
-    from dflash_trainer.model.export import export_drafter, load_checkpoint_drafter
+    from dflash_trainer.training.checkpoint import find_resume_checkpoint
+    from dflash_trainer.training.export import export_drafter, load_checkpoint_drafter
 
     if (run_dir / "drafter" / "config.json").is_file():
         return run_dir / "drafter"
@@ -170,11 +170,11 @@ def project_eval(drafter: Path, target_dir: Path, prompts: Sequence[str], *, max
     with ``domains`` (one per prompt) its summary holds tau per domain."""
     import torch
 
-    from dflash_trainer.evaluate import evaluate_prompts
-    from dflash_trainer.prompt_sets import EvalPrompt
-    from dflash_trainer.model.export import load_drafter
+    from dflash_trainer.evaluation.evaluate import evaluate_prompts
+    from dflash_trainer.evaluation.prompt_sets import EvalPrompt
+    from dflash_trainer.training.export import load_drafter
     from dflash_trainer.model.target import load_target
-    from dflash_trainer.speedup import PairedTimer
+    from dflash_trainer.evaluation.speedup import PairedTimer
 
     torch_dtype = getattr(torch, dtype)
     target, tokenizer = load_target(str(target_dir), device="cpu", dtype=torch_dtype)
@@ -569,7 +569,7 @@ def run(args: argparse.Namespace) -> int:
     """The whole check; returns the exit status."""
     import torch
 
-    from dflash_trainer.assets import resolve_target
+    from dflash_trainer.core.assets import resolve_target
 
     out_dir = Path(args.out).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -611,7 +611,7 @@ def choose_prompts(args: argparse.Namespace) -> tuple[list[str], list[str] | Non
     """The prompts to send, and with ``--suite`` the domain of each: the first turns of
     ``--prompts`` prompts per domain, as ``dflash-trainer eval --suite`` picks them."""
     from dflash_trainer.config import load_config
-    from dflash_trainer.prompt_sets import mtbench_prompts, suite_prompts
+    from dflash_trainer.evaluation.prompt_sets import mtbench_prompts, suite_prompts
 
     if args.suite is None:
         return [p.turns[0] for p in mtbench_prompts()[:args.prompts]], None
@@ -624,8 +624,8 @@ def choose_prompts(args: argparse.Namespace) -> tuple[list[str], list[str] | Non
 def serve_llama(args: argparse.Namespace, target_dir: Path, drafter: Path, prompts: Sequence[str], out_dir: Path,
                 *, num_draft: int) -> dict[str, Any]:
     """The llama.cpp arm: plain and speculative llama-server, alternately on the same prompts."""
-    from dflash_trainer.assets import load_tokenizer
-    from dflash_trainer.evaluate import render_prompt
+    from dflash_trainer.core.assets import load_tokenizer
+    from dflash_trainer.evaluation.evaluate import render_prompt
 
     tokenizer = load_tokenizer(target_dir)
     prompt_ids = [render_prompt(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
@@ -738,8 +738,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run_reporting_errors(args: argparse.Namespace) -> int:
-    from dflash_trainer.assets import AssetError
-    from dflash_trainer.errors import UserError
+    from dflash_trainer.core.assets import AssetError
+    from dflash_trainer.core.errors import UserError
 
     try:
         return run(args)

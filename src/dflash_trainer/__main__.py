@@ -2,6 +2,6 @@
 
 import sys
 
-from dflash_trainer.cli import main
+from dflash_trainer.cli.main import main
 
 sys.exit(main())

@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 import yaml
 
-from dflash_trainer.errors import ConfigError
-from dflash_trainer.inputs import check_input
+from dflash_trainer.core.errors import ConfigError
+from dflash_trainer.core.inputs import check_input
 
 __all__ = ["COUNT_MAX", "DURATION_MAX_S", "TOKENS_MAX", "Config", "ConfigError", "Range", "check_text",
            "is_numeric", "load_config", "option_ranges", "ranged", "save_config", "upgrade_saved_config"]

@@ -31,8 +31,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from dflash_trainer.fsutil import DISK_FIX, memoised_sha256, sha256_file, write_dir_atomically
-from dflash_trainer.locks import FolderLock
+from dflash_trainer.core.fsutil import DISK_FIX, memoised_sha256, sha256_file, write_dir_atomically
+from dflash_trainer.core.locks import FolderLock
 
 FORMAT_VERSION = 1
 _FILES = ("tokens.bin", "loss_mask.bin", "offsets.npy", "supervised.npy", "meta.json")
@@ -81,7 +81,7 @@ HASH_MEMO = ".file-sha256.json"
 def file_fingerprint(path: Path, cache: Path) -> tuple[dict[str, Any], bool]:
     """Identity of a data file by resolved path and content (sha256 of its bytes, never its
     size and mtime alone: an edit that keeps both is a new store), and whether the memo in the
-    token cache folder ``cache`` answered it (see :func:`~dflash_trainer.fsutil.memoised_sha256`)."""
+    token cache folder ``cache`` answered it (see :func:`~dflash_trainer.core.fsutil.memoised_sha256`)."""
     digest, memoised = memoised_sha256(path, cache / HASH_MEMO)
     return {"path": str(Path(path).resolve()), "size": Path(path).stat().st_size, "sha256": digest}, memoised
 
@@ -201,7 +201,7 @@ class TokenStore:
         Holds :func:`build_lock` meanwhile. When another process is building the same store,
         waits for it (``on_wait`` gets one line) and returns its store without calling ``fill``
         (:attr:`built_here` tells which). A full or read-only disk raises
-        :class:`~dflash_trainer.errors.DiskError` naming the store's folder.
+        :class:`~dflash_trainer.core.errors.DiskError` naming the store's folder.
         """
         def write(folder: Path) -> None:
             writer = TokenStoreWriter(folder)

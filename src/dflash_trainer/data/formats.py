@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from dflash_trainer import assets
-from dflash_trainer.errors import DataError
-from dflash_trainer.inputs import check_input, input_files
+from dflash_trainer.core import assets
+from dflash_trainer.core.errors import DataError
+from dflash_trainer.core.inputs import check_input, input_files
 
 EMBEDDED_SHAREGPT = "sharegpt"
 ROLE_ALIASES = {

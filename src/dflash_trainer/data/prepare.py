@@ -23,11 +23,14 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
-from dflash_trainer.assets import cache_root, load_tokenizer, resolve_target
+if TYPE_CHECKING:
+    from dflash_trainer.core.distributed import DistInfo
+
+from dflash_trainer.core.assets import cache_root, load_tokenizer, resolve_target
 from dflash_trainer.config import Config, config_to_dict, save_config
 from dflash_trainer.data.cache import (
     FORMAT_VERSION,
@@ -60,8 +63,8 @@ from dflash_trainer.data.tokenize import (
     Encoded,
     TokenizeOptions,
 )
-from dflash_trainer.errors import ConfigError
-from dflash_trainer.fsutil import atomic_write_text, remove_stale_temp_dirs
+from dflash_trainer.core.errors import ConfigError
+from dflash_trainer.core.fsutil import atomic_write_text, remove_stale_temp_dirs
 
 DROP_REASONS = ("malformed", "empty", "no_assistant", "empty_answer", "too_short", "too_long")
 _DROP_LABELS = {"malformed": "malformed", "empty": "empty conversation",
@@ -447,3 +450,19 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     print(f"token store: {store.path} ({len(store):,} samples, {origin}); "
           f"config.yaml and stats.json written there; total {elapsed:.1f} s")
     return 0
+
+
+def load_training_data(cfg: Config, dist: DistInfo, tokenizer: Any) -> tuple[TokenStore, PrepareStats]:
+    """The prepared token store of ``cfg`` (rank 0 builds it, the others wait) and its statistics."""
+    import torch.distributed  # only here: preparing alone does not need torch
+
+    # Rank 0 tokenizes; the others then find the finished cache instead of racing to write it.
+    if dist.enabled and not dist.is_main:
+        torch.distributed.barrier()
+    store, stats = build_dataset(cfg, tokenizer=tokenizer)
+    if dist.enabled and dist.is_main:
+        torch.distributed.barrier()
+    if len(store) == 0:
+        raise DataError("no training samples left after preparation; see the prepare "
+                        "statistics above (data.max_length, data.min_supervised_tokens)")
+    return store, stats

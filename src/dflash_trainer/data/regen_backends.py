@@ -156,7 +156,7 @@ class TransformersBackend:
         self.sampling = sampling
         self.thinking = thinking
         self.device = next(model.parameters()).device
-        from dflash_trainer.spec_decode import end_of_turn_ids
+        from dflash_trainer.data.tokenize import end_of_turn_ids
 
         self.pad_id = tokenizer.pad_token_id
         if self.pad_id is None:

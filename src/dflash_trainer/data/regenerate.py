@@ -49,7 +49,7 @@ from dflash_trainer.data.regen_backends import (
     resolve_sampling,
     template_has_thinking,
 )
-from dflash_trainer.errors import ConfigError, ServerError, UserError
+from dflash_trainer.core.errors import ConfigError, ServerError, UserError
 
 SourceConversation = tuple[str, Sequence[Message]]
 """(stable id, messages) of one input conversation."""
@@ -636,7 +636,7 @@ def build_transformers_backend(target: str, sampling_flags: dict[str, Any], *,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from dflash_trainer.assets import load_tokenizer, resolve_target
+    from dflash_trainer.core.assets import load_tokenizer, resolve_target
 
     path = resolve_target(target)
     if device == "auto":

@@ -64,7 +64,7 @@ class ResizedPlans:
     except for the epoch the resizes happened in, which is its plan for the world size it
     started with, then each resize applied in turn (:func:`resize_plan`).
 
-    Offers what the trainer uses of :class:`~dflash_trainer.components.EpochPlans`.
+    Offers what the trainer uses of :class:`~dflash_trainer.training.components.EpochPlans`.
     """
 
     def __init__(self, plans: Any, resizes: list[Resize],

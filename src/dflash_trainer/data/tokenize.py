@@ -50,7 +50,7 @@ from dflash_trainer.data.formats import (
     Tokenized,
     drop_leading_assistant,
 )
-from dflash_trainer.errors import TargetError
+from dflash_trainer.core.errors import TargetError
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _CHARS_PER_TOKEN = 6
@@ -395,3 +395,31 @@ def trim_conversation(messages: list[dict[str, Any]]) -> tuple[list[dict[str, An
     while kept and kept[-1]["role"] != "assistant":
         kept.pop()
     return kept, trimmed
+
+
+def end_of_turn_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
+    """Token ids that end an assistant turn: the tokenizer's and generation config's eos ids,
+    plus the special token the chat template writes right after an assistant message
+    (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, ...)."""
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        for v in (value if isinstance(value, (list, tuple)) else [value]):
+            if v is not None and int(v) not in ids:
+                ids.append(int(v))
+
+    add(getattr(tokenizer, "eos_token_id", None))
+    if generation_config is not None:
+        add(getattr(generation_config, "eos_token_id", None))
+    marker = "XQZJ-end-of-turn-probe"
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}], tokenize=False)
+    except (ValueError, TypeError, AttributeError):
+        return ids  # no chat template: eos only
+    after = text[text.find(marker) + len(marker):] if marker in text else ""
+    following = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    special = set(getattr(tokenizer, "all_special_ids", [])) | set(getattr(tokenizer, "added_tokens_decoder", {}))
+    if following and following[0] in special:
+        add(following[0])
+    return ids

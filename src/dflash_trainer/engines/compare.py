@@ -65,7 +65,7 @@ def project_domains(requests: Sequence[Any], prompt_domains: Sequence[str], taus
                     num_draft: int) -> dict[str, dict[str, Any]]:
     """Per domain, the project's loop: its tau (``taus``, the mean over requests), the pooled
     tau over all its verify steps (as the engines count) and the step count; ``requests`` are
-    the evaluation's :class:`~dflash_trainer.evaluate.RequestResult` in the order of ``prompt_domains``."""
+    the evaluation's :class:`~dflash_trainer.evaluation.evaluate.RequestResult` in the order of ``prompt_domains``."""
     rows = {}
     for domain, index in domain_indices(prompt_domains).items():
         chosen = [requests[i] for i in index]

@@ -67,7 +67,7 @@ class LlamaCppOptions:
 def target_gguf(target_name: str, target_dir: Path, options: LlamaCppOptions, cache: Path) -> Path:
     """The target as GGUF: the shipped Q4_1 file of the embedded target, else a conversion."""
     if options.target_type == "q4_1" and target_name == "smollm2":
-        from dflash_trainer.assets import smollm2_gguf
+        from dflash_trainer.core.assets import smollm2_gguf
 
         return smollm2_gguf()
     return convert(target_dir, cache / f"target-{target_dir.name}-{options.target_type}.gguf",

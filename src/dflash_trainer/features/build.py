@@ -28,16 +28,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from dflash_trainer import assets
+from dflash_trainer.core import assets
 from dflash_trainer.config import Config
-from dflash_trainer.distributed import DistInfo, init_distributed
-from dflash_trainer.dtypes import config_dtype
-from dflash_trainer.errors import DiskError
+from dflash_trainer.core.distributed import DistInfo, init_distributed
+from dflash_trainer.model.dtypes import config_dtype
+from dflash_trainer.core.errors import DiskError
 from dflash_trainer.features.codec import encode
 from dflash_trainer.features.manifest import (INDEX, MANIFEST, Manifest, ShardRecord, StoreError,
                                               record_path, shard_path)
-from dflash_trainer.fsutil import DISK_FIX, atomic_write_text, disk_oserror, fsync_path, sha256_file
-from dflash_trainer.locks import FolderLock
+from dflash_trainer.core.fsutil import DISK_FIX, atomic_write_text, disk_oserror, fsync_path, sha256_file
+from dflash_trainer.core.locks import FolderLock
+from dflash_trainer.data.prepare import load_training_data
 from dflash_trainer.model.drafter import tapped_layer_ids, text_config, tokenizer_signature
 from dflash_trainer.model.target import FeatureExtractor, load_target
 
@@ -284,7 +285,6 @@ def build_store(cfg: Config, dist: DistInfo, *, out: Path, target: nn.Module | N
     ``target``/``tokenizer``/``data`` replace ``model.target`` and the prepared token store
     (tests, benchmarks); ``after_shard`` is called with each shard this rank wrote.
     """
-    from dflash_trainer.components import load_training_data
     from dflash_trainer.features.target_parts import weights_hash
 
     started = time.perf_counter()
@@ -350,7 +350,7 @@ def build_store(cfg: Config, dist: DistInfo, *, out: Path, target: nn.Module | N
 def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     """The ``features`` command: build the feature store ``features.store`` (``--out``)."""
     if cfg.features.store is None:
-        from dflash_trainer.errors import ConfigError
+        from dflash_trainer.core.errors import ConfigError
 
         raise ConfigError("features needs the store folder: --out FOLDER (or features.store=FOLDER)")
     dist = init_distributed(cfg.pipeline, cfg.distributed)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_trainer.errors import DataError
-from dflash_trainer.fsutil import atomic_write_text
+from dflash_trainer.core.errors import DataError
+from dflash_trainer.core.fsutil import atomic_write_text
 
 __all__ = ["FORMAT_VERSION", "INDEX", "MANIFEST", "Manifest", "ShardRecord", "StoreError",
            "read_json", "shard_path", "record_path"]

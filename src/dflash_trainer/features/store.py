@@ -18,7 +18,7 @@ import torch
 
 from dflash_trainer.features.codec import decode
 from dflash_trainer.features.manifest import INDEX, MANIFEST, Manifest, ShardRecord, StoreError, read_json, shard_path
-from dflash_trainer.fsutil import sha256_file
+from dflash_trainer.core.fsutil import sha256_file
 
 __all__ = ["FIELD_SETTINGS", "FeatureStore", "SampleFeatures", "read_index"]
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash_trainer.assets import first_line, load_tokenizer
+from dflash_trainer.core.assets import first_line, load_tokenizer
 from dflash_trainer.config import ModelConfig
-from dflash_trainer.errors import TargetError
-from dflash_trainer.fsutil import sha256_file
+from dflash_trainer.core.errors import TargetError
+from dflash_trainer.core.fsutil import sha256_file
 from dflash_trainer.model.target import WEIGHT_PATTERNS, decoder_layers, load_target
 
 __all__ = ["init_layers", "load_target_parts", "weights_hash"]

@@ -24,7 +24,7 @@ from torch import nn
 from transformers import PretrainedConfig, Qwen3Config
 
 from dflash_trainer.config import ModelConfig
-from dflash_trainer.errors import CheckpointError, ConfigError
+from dflash_trainer.core.errors import ConfigError
 from dflash_trainer.model.modeling.dflash import (
     DFlashDraftModel,
     build_target_layer_ids,
@@ -40,8 +40,8 @@ from dflash_trainer.model.target import check_target_layer_ids, decoder_layers
 
 __all__ = ["ARCHITECTURES", "FINAL_NORM_SCALE", "SIGNATURE_KEY", "DFlash2DraftModel", "DFlashDraftModel",
            "build_drafter", "build_drafter_config", "check_compatible", "default_target_layer_ids",
-           "drafter_class", "drafter_variant", "warm_start", "init_drafter_from_target",
-           "init_from_last_layers", "initialise_drafter", "tapped_layer_ids", "target_signature",
+           "drafter_class", "drafter_variant", "init_drafter_from_target",
+           "init_from_last_layers", "tapped_layer_ids", "target_signature",
            "text_config", "tokenizer_signature"]
 
 log = logging.getLogger(__name__)
@@ -387,62 +387,4 @@ def init_drafter_from_target(drafter: DFlashDraftModel, target_model: nn.Module)
     if skipped:
         log.info("model.drafter_init=target: kept the fresh initialisation of %s (no target "
                  "parameter of that name and shape)", ", ".join(skipped))
-    return copied
-
-
-@torch.no_grad()
-def warm_start(drafter: DFlashDraftModel, path: str, target_config: PretrainedConfig, *,
-               tokenizer: Any = None) -> list[str]:
-    """``model.init_from``: copy the weights of the drafter exported or checkpointed at ``path``
-    into ``drafter``; the names copied.
-
-    A DFlash drafter gives a DFlash2 one its backbone (the convolutions and the selector keep
-    their identity initialisation); a DFlash2 drafter cannot start a DFlash one. Raises
-    :class:`CheckpointError` (one line) for the wrong variant, another target (vocabulary, hidden
-    size, and given the target's ``tokenizer`` its chat template and special ids), other target
-    layers or other layer sizes.
-    """
-    from dflash_trainer.model.export import load_checkpoint_drafter  # export imports this module
-
-    where = f"model.init_from={path}"
-    variant = drafter_variant(drafter.config)
-    source = load_checkpoint_drafter(path, variant="dflash" if variant == "dflash" else None,
-                                     fix="warm-start it with model.variant=dflash2, or give a DFlash drafter")
-    try:
-        check_compatible(source.config, target_config, tokenizer=tokenizer)
-    except ValueError as exc:
-        raise CheckpointError(f"{where} does not fit the target: {exc}; give a drafter trained for it") from exc
-    if list(source.target_layer_ids) != list(drafter.target_layer_ids):
-        raise CheckpointError(f"{where} reads target layers {list(source.target_layer_ids)}, this drafter "
-                              f"{list(drafter.target_layer_ids)} (model.target_layer_ids); set them equal")
-    own = drafter.state_dict()
-    mismatched = [f"{k} {list(v.shape)} vs {list(own[k].shape) if k in own else 'absent'}"
-                  for k, v in source.state_dict().items() if k not in own or own[k].shape != v.shape]
-    if mismatched:
-        more = f" (and {len(mismatched) - 2} more)" if len(mismatched) > 2 else ""
-        raise CheckpointError(f"{where} does not match this drafter's shapes: {'; '.join(mismatched[:2])}{more}; "
-                              "set model.num_layers and the layer sizes to the source's")
-    copied = []
-    for name, value in source.state_dict().items():
-        own[name].copy_(value.to(own[name].dtype))
-        copied.append(name)
-    return copied
-
-
-def initialise_drafter(drafter: DFlashDraftModel, target_model: nn.Module, model_cfg: ModelConfig, *,
-                       tokenizer: Any = None) -> list[str]:
-    """Apply ``model.init_from`` or ``model.drafter_init`` to a fresh drafter; the names of the
-    parameters copied (empty for a random init). ``tokenizer``: the target's, checked against
-    the one a warm-start source recorded."""
-    if model_cfg.init_from is not None:
-        copied = warm_start(drafter, model_cfg.init_from, target_model.config, tokenizer=tokenizer)
-        log.info("warm-started the drafter from %s: %d tensors", model_cfg.init_from, len(copied))
-        return copied
-    if model_cfg.drafter_init == "target":
-        copied = init_drafter_from_target(drafter, target_model)
-    elif model_cfg.drafter_init == "last_layers":
-        copied = init_from_last_layers(drafter, target_model)
-    else:
-        return []
-    log.info("initialised the drafter from the target: %s", ", ".join(copied))
     return copied

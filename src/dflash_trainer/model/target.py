@@ -9,7 +9,7 @@ reference; the last layer is refused (:func:`check_target_layer_ids`), because H
 
 :func:`load_target` translates what transformers and safetensors raise on a folder without
 weights, a truncated or damaged weight file or an unsupported architecture into one
-:class:`~dflash_trainer.errors.TargetError` line naming the folder.
+:class:`~dflash_trainer.core.errors.TargetError` line naming the folder.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from dflash_trainer.assets import first_line, load_tokenizer
-from dflash_trainer.errors import ConfigError, TargetError
+from dflash_trainer.core.assets import first_line, load_tokenizer
+from dflash_trainer.core.errors import ConfigError, TargetError
 
 __all__ = ["FeatureExtractor", "TargetOutputs", "check_target_layer_ids", "decoder_layers", "greedy_next_tokens",
            "lm_head_weight", "input_embedding_weight", "load_target", "resolve_mask_token_id"]

@@ -1,0 +1,315 @@
+"""The one assembly of a training run: target -> data -> mask id -> plans -> drafter -> feature
+extractor -> objective -> optimizer and schedule -> drafter step.
+
+:func:`build` is used by ``train``, ``demo`` and the benchmarks, so what they run is what the
+trainer runs; :func:`build_drafter_step` is its drafter side alone, for a benchmark that
+trains on target outputs it computed before (``benchmarks/levers.py``). Runtime objects that
+replace a part (a random target, synthetic data) are passed in, never put into the config.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from dflash_trainer.core import assets
+from dflash_trainer.config import Config
+from dflash_trainer.data.buckets import Plan, build_plan
+from dflash_trainer.data.prepare import load_training_data
+from dflash_trainer.core.distributed import DistInfo, target_load_device, wrap_drafter, wrap_target
+from dflash_trainer.model.dtypes import config_dtype
+from dflash_trainer.core.errors import ConfigError
+from dflash_trainer.training.flops import StepShape, layer_dims, step_flops
+from dflash_trainer.model.batch import Batch
+from dflash_trainer.features.store import FeatureStore
+from dflash_trainer.model.drafter import build_drafter, tapped_layer_ids, text_config
+from dflash_trainer.training.drafter_init import initialise_drafter
+from dflash_trainer.model.modeling.dflash import DFlashDraftModel
+from dflash_trainer.model.objective import DFlashObjective
+from dflash_trainer.model.target import (FeatureExtractor, input_embedding_weight, lm_head_weight, load_target,
+                                         resolve_mask_token_id)
+from dflash_trainer.training.optim import LRSchedule, build_optimizer
+from dflash_trainer.training.pipeline.drafter_step import DrafterStep
+
+__all__ = ["PEAK_BF16_FLOPS", "Components", "DrafterSide", "EpochPlans", "TrainingData", "build",
+           "build_drafter_step", "peak_flops", "run_mask_token_id"]
+
+log = logging.getLogger(__name__)
+
+# bf16 dense peak FLOP/s by device name, for perf/mfu (benchmarks/gpu_check.py measures the
+# achievable matmul ceiling instead).
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
+
+
+class TrainingData(Protocol):
+    """The token store (``data.cache.TokenStore``) or anything alike, e.g. synthetic data."""
+
+    lengths: np.ndarray
+
+    def __len__(self) -> int:
+        """Number of samples."""
+        ...
+
+    def __getitem__(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids int32 [L], loss_mask uint8 [L]) of sample ``index``."""
+        ...
+
+    def token_ids(self) -> np.ndarray:
+        """The distinct token ids in the data (the mask token must not be one of them)."""
+        ...
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's bf16 dense peak FLOP/s from :data:`PEAK_BF16_FLOPS` (None: unknown/CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+class EpochPlans:
+    """Each epoch's batch plan: a pure function of (data lengths, pipeline config, seed, epoch,
+    world size), built on first use; the step count of every epoch is kept."""
+
+    def __init__(self, lengths: np.ndarray, cfg: Config, world_size: int) -> None:
+        self.lengths = lengths
+        self.cfg = cfg
+        self.world_size = world_size
+        self._recent: dict[int, Plan] = {}
+        self._lengths: dict[int, int] = {}
+        self._lock = threading.Lock()  # the prefetcher's workers and the main thread ask
+
+    def build(self, epoch: int) -> Plan:
+        """A fresh plan of ``epoch`` (no cache)."""
+        return build_plan(self.lengths, self.cfg.pipeline, seed=self.cfg.training.seed,
+                          epoch=epoch, world_size=self.world_size)
+
+    def __call__(self, epoch: int) -> Plan:
+        """The plan of ``epoch``; the last two are cached (the prefetcher asks once per epoch,
+        the trainer when it logs the epoch's statistics)."""
+        with self._lock:
+            if epoch not in self._recent:
+                if len(self._recent) >= 2:
+                    self._recent.pop(min(self._recent))
+                self._recent[epoch] = self.build(epoch)
+                self._lengths[epoch] = len(self._recent[epoch])
+            return self._recent[epoch]
+
+    def num_steps(self, epoch: int) -> int:
+        """Steps in ``epoch``'s plan."""
+        if epoch not in self._lengths:
+            self(epoch)
+        return self._lengths[epoch]
+
+    def total_steps(self, epochs: int) -> int:
+        """Steps of epochs ``0 .. epochs - 1``, each from its own plan (lengths can differ)."""
+        return sum(self.num_steps(e) for e in range(epochs))
+
+
+@dataclass(kw_only=True)
+class Components:
+    """The parts of one rank's run; :meth:`close` removes the feature hooks from the target."""
+
+    cfg: Config
+    dist: DistInfo
+    target: nn.Module
+    """The frozen target (FSDP-sharded when ``distributed.target=fsdp``)."""
+    tokenizer: Any
+    data: TrainingData
+    data_stats: Any
+    """The preparation statistics (None for data passed in)."""
+    plans: EpochPlans
+    drafter: DFlashDraftModel
+    """The plain drafter module (inside the objective, which DDP/FSDP wrap)."""
+    extractor: FeatureExtractor | None
+    """The target's feature hooks (None when the features come from ``store``)."""
+    store: FeatureStore | None
+    """The feature store the run reads instead of running the target (``features.store``)."""
+    objective: nn.Module
+    drafter_step: DrafterStep
+    total_steps: int
+    """Optimizer steps of the run: every epoch's own plan length / grad_accum, capped by
+    ``training.max_steps``; the LR schedule ends there."""
+    compute_dtype: torch.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device."""
+        return self.dist.device
+
+    def close(self) -> None:
+        """Remove the feature hooks from the target, close the store's files (idempotent)."""
+        if self.extractor is not None:
+            self.extractor.close()
+        if self.store is not None:
+            self.store.close()
+
+
+def run_mask_token_id(cfg: Config, tokenizer: Any, embed_rows: int, data: TrainingData) -> int:
+    """The mask token id of a run: ``model.mask_token_id`` or the tokenizer's rule, never a token
+    of ``data``; a target without a tokenizer needs it explicit."""
+    data_ids = data.token_ids().tolist()
+    if tokenizer is not None:
+        return resolve_mask_token_id(tokenizer, embed_rows, explicit=cfg.model.mask_token_id,
+                                     forbidden_in_data=data_ids)
+    # A target passed in without a tokenizer (random weights): the id must be given.
+    explicit = cfg.model.mask_token_id
+    if explicit is None or not 0 <= explicit < embed_rows or explicit in set(data_ids):
+        raise ConfigError(f"model.mask_token_id={explicit}: a target without a tokenizer needs an "
+                          f"explicit mask token id below {embed_rows} that is not in the data")
+    return explicit
+
+
+def _flops_fn(cfg: Config, target: nn.Module, drafter: DFlashDraftModel,
+              vocab: int, *, runs_target: bool) -> Callable[[Batch], float]:
+    target_dims = layer_dims(text_config(target.config))
+    drafter_dims = layer_dims(drafter.config)
+    layer_ids = drafter.target_layer_ids
+    needs_final = cfg.training.labels != "data" and runs_target
+    target_layers_run = (0 if not runs_target else
+                         target.config.num_hidden_layers if needs_final else max(layer_ids) + 1)
+
+    def batch_flops(batch: Batch) -> float:
+        """Model FLOPs of one micro-batch from its host-side shapes (no device sync)."""
+        rows, seq_len = batch.shape
+        shape = StepShape(rows=rows, seq_len=seq_len, num_anchors=batch.anchors.shape[1],
+                          block_size=drafter.block_size,
+                          mean_anchor=seq_len / 2,  # anchors are uniform over the sequence
+                          supervised_slots=cfg.training.loss_slots,
+                          soft_labels=cfg.training.labels == "kl")
+        return step_flops(target=target_dims, target_layers_run=target_layers_run,
+                          target_head=needs_final, drafter=drafter_dims,
+                          drafter_layers=drafter.config.num_hidden_layers,
+                          num_features=len(layer_ids), vocab=vocab, shape=shape)["total"]
+
+    return batch_flops
+
+
+@dataclass(kw_only=True)
+class DrafterSide:
+    """What :func:`build_drafter_step` assembles around a target."""
+
+    target: nn.Module
+    """The target as the run uses it (FSDP-sharded when ``distributed.target=fsdp``)."""
+    drafter: DFlashDraftModel
+    extractor: FeatureExtractor | None
+    """None for ``runs_target=False``."""
+    objective: nn.Module
+    drafter_step: DrafterStep
+
+
+def build_drafter_step(cfg: Config, dist: DistInfo, target: nn.Module, *, mask_token_id: int,
+                       tokenizer: Any, total_steps: int, compute_dtype: torch.dtype,
+                       runs_target: bool = True) -> DrafterSide:
+    """The trainer's drafter side on ``target``: drafter (built, initialised by
+    ``model.drafter_init``, on the device) -> feature extractor -> objective -> optimizer and an
+    LR schedule of ``total_steps`` -> :class:`DrafterStep`.
+
+    Draws the drafter's initialisation from the global torch RNG: seed it first, as
+    :func:`build` does. The caller closes the extractor (its hooks stay on the target).
+    ``runs_target=False`` (features from a store): no extractor, no sharding of the target,
+    whose embedding and LM head alone the objective reads.
+    """
+    device = dist.device
+    # With the tokenizer, the drafter's config (and every export of it) records its fingerprint.
+    drafter = build_drafter(cfg.model, target.config, mask_token_id=mask_token_id, tokenizer=tokenizer)
+    initialise_drafter(drafter, target, cfg.model, tokenizer=tokenizer)
+    drafter = drafter.to(device)
+    extractor = None
+    if runs_target:
+        # Sharded before the feature hooks are added, so FSDP's hooks run first.
+        target = wrap_target(target, dist, cfg.distributed)
+        extractor = FeatureExtractor(target, drafter.target_layer_ids, labels=cfg.training.labels,
+                                     label_chunk_size=cfg.training.loss_chunk_size)
+    objective = wrap_drafter(
+        DFlashObjective.from_config(drafter, input_embedding_weight(target), lm_head_weight(target), cfg),
+        dist, cfg.distributed)
+    params = [p for p in objective.parameters() if p.requires_grad]
+    optimizer = build_optimizer(params, cfg.training)
+    schedule = LRSchedule(optimizer, total_steps=total_steps, cfg=cfg.training)
+    drafter_step = DrafterStep(
+        objective=objective, parameters=params, optimizer=optimizer, schedule=schedule,
+        cfg=cfg.training, dist_info=dist, block_size=drafter.block_size,
+        autocast_dtype=torch.bfloat16 if compute_dtype == torch.bfloat16 else None,
+        flops_fn=_flops_fn(cfg, target, drafter, lm_head_weight(target).shape[0], runs_target=runs_target),
+        peak_flops=peak_flops(device))
+    return DrafterSide(target=target, drafter=drafter, extractor=extractor, objective=objective,
+                       drafter_step=drafter_step)
+
+
+def _load_target_parts(cfg: Config, folder: str, device: torch.device,
+                       dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    """The target's embedding, final norm, LM head and the layers the drafter's init copies."""
+    from transformers import AutoConfig
+
+    from dflash_trainer.features.target_parts import init_layers, load_target_parts
+
+    config = text_config(AutoConfig.from_pretrained(folder))
+    num_layers = int(config.num_hidden_layers)
+    layers = init_layers(cfg.model, num_layers, tapped_layer_ids(cfg.model, num_layers))
+    return load_target_parts(folder, device=device, dtype=dtype, layers=layers)
+
+
+def _open_store(cfg: Config, *, target: nn.Module, tokenizer: Any, data: TrainingData,
+                dtype: torch.dtype) -> FeatureStore:
+    """``features.store``, checked against what this run would compute with the target."""
+    from dflash_trainer.features.build import expected_manifest
+    from dflash_trainer.features.target_parts import weights_hash
+
+    expected = expected_manifest(cfg, target=target, tokenizer=tokenizer, data=data,
+                                 weights=weights_hash(assets.resolve_target(cfg.model.target)),
+                                 target_dtype=dtype)
+    store = FeatureStore.open(cfg.features.store, expected=expected, dtype=dtype)
+    log.info("training from the feature store %s (%d shards, %s)", cfg.features.store,
+             store.manifest.num_shards, store.manifest.storage_dtype)
+    return store
+
+
+def build(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None, tokenizer: Any = None,
+          data: TrainingData | None = None) -> Components:
+    """Build every part of a run for ``cfg`` on this rank.
+
+    ``target`` (a frozen HF causal LM, with or without ``tokenizer``) and ``data`` replace
+    ``model.target`` and ``data.paths`` (benchmarks on random weights or synthetic tokens).
+    Seeds the global torch RNG with ``training.seed`` first: every rank draws the same
+    drafter init.
+    """
+    device = dist.device
+    # Before the seed: the CPU dtype probe (first run on a machine) draws random numbers.
+    dtype = config_dtype(cfg.model, device) if target is None else next(target.parameters()).dtype
+    torch.manual_seed(cfg.training.seed)
+    from_store = cfg.features.store is not None
+    if target is None:
+        folder = str(assets.resolve_target(cfg.model.target))
+        if from_store:
+            target, tokenizer = _load_target_parts(cfg, folder, dist.device, dtype)
+        else:
+            target, tokenizer = load_target(folder, device=target_load_device(dist, cfg.distributed),
+                                            dtype=dtype)
+    data_stats = None
+    if data is None:
+        data, data_stats = load_training_data(cfg, dist, tokenizer)
+    store = _open_store(cfg, target=target, tokenizer=tokenizer, data=data, dtype=dtype) if from_store else None
+    embed_rows = target.get_input_embeddings().weight.shape[0]
+    mask_id = run_mask_token_id(cfg, tokenizer, embed_rows, data)
+    # The plans use their own seeded generators: building them here draws nothing from the
+    # global RNG that the drafter's initialisation below uses.
+    plans = EpochPlans(data.lengths, cfg, dist.world_size)
+    micro_steps = plans.total_steps(cfg.training.epochs)
+    total_steps = max(1, micro_steps // cfg.training.grad_accum)
+    if cfg.training.max_steps is not None:
+        total_steps = min(total_steps, cfg.training.max_steps)
+    side = build_drafter_step(cfg, dist, target, mask_token_id=mask_id, tokenizer=tokenizer,
+                              total_steps=total_steps, compute_dtype=dtype, runs_target=not from_store)
+    return Components(cfg=cfg, dist=dist, target=side.target, tokenizer=tokenizer, data=data,
+                      data_stats=data_stats, plans=plans, drafter=side.drafter,
+                      extractor=side.extractor, store=store, objective=side.objective,
+                      drafter_step=side.drafter_step, total_steps=total_steps,
+                      compute_dtype=dtype)

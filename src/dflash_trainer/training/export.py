@@ -1,0 +1,321 @@
+"""Export a drafter in the z-lab ``DFlashDraftModel`` / ``DFlash2DraftModel`` format, and load it back.
+
+An exported folder holds ``config.json`` (Qwen3 fields + DFlash keys, written both at the top
+level and in ``dflash_config`` so z-lab, SGLang, vLLM and MLX loaders all find them),
+``model.safetensors`` (draft-only weights, no embedding, LM head or rotary buffers) and the
+standalone ``dflash.py`` modeling file that ``trust_remote_code`` loads (a DFlash2 export also
+``dflash2.py``, its class, which imports ``dflash.py``; its ``config.json`` adds
+``is_causal: false`` and the convolution and selector keys to ``dflash_config``). Loading picks
+the class from ``architectures``. The folder is written
+to a temporary sibling and renamed into place, so a reader never sees a half-written export.
+
+``config.json`` also holds, under ``dflash_trainer``, the signature of the target the drafter
+was trained for (vocabulary and hidden size, a fingerprint of the tokenizer's chat template and
+special ids: :func:`~dflash_trainer.model.drafter.target_signature`); transformers keeps the
+unknown top-level key as a config attribute, and z-lab, SGLang and vLLM ignore it.
+:func:`check_fits_target` compares it with a target before a drafter is used.
+
+``export`` reads a training checkpoint only after checking every file against its manifest's
+sha256, and loading checks ``config.json`` against the weights' shapes first: a corrupted or
+edited folder is refused with one line naming it (:class:`~dflash_trainer.core.errors.CheckpointError`).
+``export --out`` writes a new or empty folder; it replaces an earlier export only with
+``--overwrite`` and never a file or a folder holding anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from safetensors import SafetensorError, safe_open
+from transformers import PretrainedConfig
+
+from dflash_trainer.core.assets import first_line
+from dflash_trainer.training.checkpoint import MANIFEST, validate_checkpoint
+from dflash_trainer.config import Config
+from dflash_trainer.core.errors import CheckpointError, ConfigError
+from dflash_trainer.core.fsutil import save_safetensors, write_dir_atomically
+from dflash_trainer.core.inputs import check_input
+from dflash_trainer.model import modeling
+from dflash_trainer.model.drafter import (ARCHITECTURES, SIGNATURE_KEY, check_compatible, drafter_class,
+                                          drafter_variant, text_config)
+from dflash_trainer.model.modeling.dflash import DFlashDraftModel
+
+__all__ = ["check_export_destination", "check_fits_target", "check_variant", "export_config", "export_drafter",
+           "load_checkpoint_drafter", "load_drafter", "main"]
+
+MODELING_FILE = Path(modeling.__file__).parent / "dflash.py"
+MODELING_FILES = {"dflash": (MODELING_FILE,), "dflash2": (MODELING_FILE, MODELING_FILE.with_name("dflash2.py"))}
+"""The modeling files an export of each variant ships (its class's file last)."""
+_WEIGHT_NAMES = ("fc.weight", "hidden_norm.weight", "norm.weight")
+_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2"}
+
+
+def export_config(model: DFlashDraftModel, *, num_target_layers: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``config.json`` dict of an exported drafter."""
+    c = model.config
+    rope = dict(getattr(c, "rope_parameters", None) or {})
+    rope_theta = float(rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
+    rope.setdefault("rope_type", "default")
+    rope["rope_theta"] = rope_theta
+    # transformers 4.x reads rope_theta/rope_scaling; 5.x reads rope_parameters: write both.
+    scaling = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
+    dtype_name = str(dtype).removeprefix("torch.")
+    signature = getattr(c, SIGNATURE_KEY, None)
+    variant = drafter_variant(c)
+    architecture = ARCHITECTURES[variant]
+    section = {"mask_token_id": model.mask_token_id, "target_layer_ids": list(model.target_layer_ids),
+               "block_size": model.block_size}
+    if variant == "dflash2":
+        conv, selector = model.layers[0].attention_conv, model.candidate_selector
+        section.update(conv_kernel_size=conv.kernel_size, conv_group_size=conv.group_size,
+                       selector_rank=selector.predecessor_codebook.shape[1], selector_top_k=selector.top_k)
+    return {
+        "architectures": [architecture],
+        "auto_map": {"AutoModel": f"{MODELING_FILES[variant][-1].stem}.{architecture}"},
+        "model_type": "qwen3",
+        **({"is_causal": False} if variant == "dflash2" else {}),
+        "block_size": model.block_size,
+        "num_target_layers": num_target_layers,
+        "dflash_config": section,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": model.layers[0].self_attn.head_dim,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": rope_theta,
+        "rope_scaling": scaling,
+        "rope_parameters": rope,
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "layer_types": ["full_attention"] * c.num_hidden_layers,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "max_window_layers": c.num_hidden_layers,
+        "tie_word_embeddings": False,
+        "initializer_range": c.initializer_range,
+        "bos_token_id": c.bos_token_id,
+        "eos_token_id": c.eos_token_id,
+        "pad_token_id": c.pad_token_id,
+        "use_cache": True,
+        "dtype": dtype_name,
+        "torch_dtype": dtype_name,
+        "transformers_version": transformers.__version__,
+        **({SIGNATURE_KEY: signature} if signature else {}),
+    }
+
+
+def _draft_weights(model: DFlashDraftModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    state = model.state_dict()
+    selector = "candidate_selector." if drafter_variant(model.config) == "dflash2" else "layers."
+    unexpected = [k for k in state if not (k.startswith(("layers.", selector)) or k in _WEIGHT_NAMES)]
+    missing = [k for k in _WEIGHT_NAMES if k not in state]
+    if unexpected or missing:
+        raise ValueError(f"drafter state does not match the z-lab format: unexpected {unexpected}, "
+                         f"missing {missing}")
+    return {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
+
+
+def export_drafter(model: DFlashDraftModel, out_dir: str | Path, *, target_config: PretrainedConfig | None = None,
+                   dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write ``config.json``, ``model.safetensors`` and ``dflash.py`` to ``out_dir`` atomically.
+
+    ``target_config`` (checked for compatibility) gives ``num_target_layers``; without it the
+    drafter config's own ``num_target_layers`` is used. An existing ``out_dir`` is replaced
+    only if it is empty or a previous drafter export (:class:`ConfigError` otherwise).
+    """
+    out = Path(out_dir)
+    num_target_layers = getattr(model.config, "num_target_layers", None)
+    if target_config is not None:
+        check_compatible(model.config, target_config)
+        num_target_layers = text_config(target_config).num_hidden_layers
+    if num_target_layers is None:
+        raise ValueError("export needs target_config or a drafter config with num_target_layers")
+    check_export_destination(out, overwrite=True)
+    config = export_config(model, num_target_layers=int(num_target_layers), dtype=dtype)
+    weights = _draft_weights(model, dtype)
+
+    def write(tmp: Path) -> None:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_safetensors(weights, tmp / "model.safetensors", metadata={"format": "pt"})
+        for source in MODELING_FILES[drafter_variant(model.config)]:
+            shutil.copyfile(source, tmp / source.name)
+
+    write_dir_atomically(out, write, replace=True)
+    return out
+
+
+def check_export_destination(out: Path, *, overwrite: bool, flag: str = "") -> None:
+    """Refuse (:class:`ConfigError`) to export into a file, a folder holding anything but an
+    earlier export, or an earlier export unless ``overwrite``; a new or empty folder is fine.
+    ``flag`` (``"--out "``) prefixes the folder in the message."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ConfigError(f"{flag}{out} is an existing file, not a folder; give the path of a new or "
+                          "empty folder for the drafter export")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries:
+        return
+    if not _is_export(out):
+        shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")
+        raise ConfigError(f"{flag}{out} is a folder that holds other files ({shown}), not a drafter "
+                          "export; choose a new or empty folder (nothing was written)")
+    if not overwrite:
+        raise ConfigError(f"{flag}{out} holds a drafter export already; pass --overwrite to replace it, "
+                          "or choose a new folder")
+
+
+def _is_export(path: Path) -> bool:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return False
+    names = config.get("architectures") if isinstance(config, dict) else None
+    return isinstance(names, list) and any(name in names for name in ARCHITECTURES.values())
+
+
+def _weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    try:
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            names = f.keys()  # a safetensors handle, not a dict: it has no __iter__
+            return {k: tuple(f.get_slice(k).get_shape()) for k in names}
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{path / 'model.safetensors'} is not a readable safetensors file "
+                              f"({exc}); export the drafter again") from exc
+
+
+def check_drafter_folder(path: str | Path) -> None:
+    """Refuse (CheckpointError, one line) an exported drafter folder whose ``config.json`` is
+    unreadable or does not describe the tensors of its ``model.safetensors``."""
+    path = Path(path)
+    missing = [n for n in ("config.json", "model.safetensors") if not (path / n).is_file()]
+    if missing:
+        raise CheckpointError(f"{path}: not an exported drafter (no {' or '.join(missing)}); "
+                              "give the folder written by `dflash-trainer export` or train")
+    try:
+        config = DFlashDraftModel.config_class.from_pretrained(str(path))
+        config._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in drafter_class(config)(config).state_dict().items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise CheckpointError(f"{path / 'config.json'} is not a valid drafter config ({exc}); "
+                              "restore the config.json written by export") from exc
+    found = _weight_shapes(path)
+    problems = [f"{k}: file {list(found[k])} vs config {list(expected[k])}"
+                for k in sorted(expected.keys() & found.keys()) if found[k] != expected[k]]
+    problems += [f"{k} missing from the file" for k in sorted(expected.keys() - found.keys())]
+    problems += [f"{k} not in the config" for k in sorted(found.keys() - expected.keys())]
+    if problems:
+        more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+        raise CheckpointError(f"{path}: config.json does not match model.safetensors: "
+                              f"{'; '.join(problems[:2])}{more}; restore the config.json written "
+                              "by export, or export the checkpoint again")
+
+
+def check_variant(config: PretrainedConfig, expected: str, *, where: str, fix: str) -> None:
+    """Refuse (:class:`CheckpointError`, one line) a drafter whose variant (``dflash`` or
+    ``dflash2``, by its ``architectures``) is not ``expected``; ``where`` names the folder or
+    flag, ``fix`` says what to do."""
+    found = drafter_variant(config)
+    if found != expected:
+        raise CheckpointError(f"{where} holds a {_NAMES[found]} drafter (architectures {ARCHITECTURES[found]}), "
+                              f"but a {_NAMES[expected]} one ({ARCHITECTURES[expected]}) is expected here; {fix}")
+
+
+def load_drafter(path: str | Path, *, dtype: torch.dtype = torch.float32,
+                 variant: str | None = None, fix: str = "") -> DFlashDraftModel:
+    """Load an exported drafter folder with the in-project class of its variant (a
+    :class:`DFlashDraftModel` or its subclass ``DFlash2DraftModel``); every weight must be
+    present and match ``config.json`` (checked first: :func:`check_drafter_folder`). With
+    ``variant``, a drafter of the other variant is refused (:func:`check_variant`, ``fix``
+    saying what to do)."""
+    check_drafter_folder(path)
+    config = read_drafter_config(path)
+    if variant is not None:
+        check_variant(config, variant, where=str(path), fix=fix or f"give a {_NAMES[variant]} export")
+    try:
+        model, info = drafter_class(config).from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa",
+                                          output_loading_info=True)
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{path}: the drafter weights do not load ({first_line(exc)}); the export "
+                              "is damaged: export the checkpoint again") from exc
+    problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    if problems:
+        raise CheckpointError(f"{path}: drafter weights do not match its config.json: {problems}")
+    return model
+
+
+def check_fits_target(drafter_config: PretrainedConfig, target_config: PretrainedConfig, tokenizer: Any,
+                      *, drafter: str, target: str, fix: str,
+                      error: type[CheckpointError] = CheckpointError) -> None:
+    """Refuse (``error``, one line) a saved drafter that does not fit a target:
+    :func:`~dflash_trainer.model.drafter.check_compatible` with the target's tokenizer, the
+    message naming the drafter (``drafter``: a flag and folder), the target and ``fix``."""
+    try:
+        check_compatible(drafter_config, target_config, tokenizer=tokenizer)
+    except ValueError as exc:
+        raise error(f"{drafter} does not fit the target {target}: {exc}; {fix}") from exc
+
+
+def read_drafter_config(path: str | Path) -> PretrainedConfig:
+    """The ``config.json`` of an exported drafter folder, or :class:`CheckpointError`."""
+    path = Path(path)
+    try:
+        return DFlashDraftModel.config_class.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"{path / 'config.json'} is not a valid drafter config ({first_line(exc)}); "
+                              "restore the config.json written by export") from exc
+
+
+def load_checkpoint_drafter(path: str | Path, *, dtype: torch.dtype = torch.float32, variant: str | None = None,
+                            fix: str = "") -> DFlashDraftModel:
+    """A drafter from a training checkpoint ``step-N/`` or its ``drafter/`` folder (every file
+    of the checkpoint checked against its manifest first) or from an exported drafter folder;
+    ``variant`` and ``fix`` as in :func:`load_drafter`."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such folder; give a checkpoint (RUN_DIR/checkpoints/"
+                              "step-N) or an exported drafter folder")
+    if (path / MANIFEST).is_file():
+        validate_checkpoint(path)
+        return load_drafter(path / "drafter", dtype=dtype, variant=variant, fix=fix)
+    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        if (path.parent / MANIFEST).is_file():  # step-N/drafter: its checkpoint's manifest covers it
+            validate_checkpoint(path.parent)
+        return load_drafter(path, dtype=dtype, variant=variant, fix=fix)
+    raise CheckpointError(f"{path}: neither a training checkpoint (no {MANIFEST}) nor an exported "
+                          "drafter (no config.json + model.safetensors); give a step-N folder of "
+                          "RUN_DIR/checkpoints")
+
+
+def main(cfg: Config, args: argparse.Namespace) -> int:
+    """``dflash-trainer export --checkpoint CKPT --out DIR [--overwrite]``."""
+    del cfg  # the drafter config inside the checkpoint is authoritative
+    out, checkpoint = Path(args.out), Path(args.checkpoint)
+    if os.path.lexists(checkpoint):
+        check_input(checkpoint, what="--checkpoint", kind="folder", error=CheckpointError)
+    # Checked before the checkpoint is read: a wrong --out costs nothing and writes nothing.
+    check_export_destination(out, overwrite=args.overwrite, flag="--out ")
+    root = next((c for c in (checkpoint, checkpoint.parent) if (c / MANIFEST).is_file()), None)
+    if root is not None and (out.resolve() == root.resolve() or root.resolve() in out.resolve().parents):
+        raise ConfigError(f"--out {out} is inside the checkpoint {root}; its files are covered by the "
+                          "checkpoint's manifest, so choose a folder outside it")
+    model = load_checkpoint_drafter(checkpoint)
+    out = export_drafter(model, out)
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"exported drafter ({_NAMES[drafter_variant(model.config)]}, {num_params / 1e6:.1f}M parameters, "
+          f"block {model.block_size}, "
+          f"target layers {model.target_layer_ids}, mask id {model.mask_token_id}) to {out}")
+    return 0

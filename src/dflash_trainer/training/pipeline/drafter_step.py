@@ -1,0 +1,276 @@
+"""The drafter's training step: loss -> backward -> clip -> AdamW -> schedule, with metrics.
+
+Runs on the main thread, called by the trainer for each input the target stage delivers. Every statistic stays on the
+device as a running sum; the only host syncs are in :meth:`get_metrics` (log steps) and in
+the periodic non-finite check, so the GPU queue never drains inside the hot path.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dflash_trainer.config import TrainingConfig
+from dflash_trainer.core.distributed import (
+    CollectiveTimer, DistInfo, all_reduce_sum, gradient_sync, replicated_value)
+from dflash_trainer.model.batch import Batch, StepInput
+from dflash_trainer.model.loss import LossSums
+from dflash_trainer.training.optim import LRSchedule
+from dflash_trainer.training.pipeline.metrics import Max, MeanSpread, Metric, Ratio, Sum
+
+# Window sums on the device, named as the LossSums fields they add up.
+_LOSS_SUMS = ("loss", "weight", "correct", "count", "accepted", "blocks")
+# The same for a DFlash2 drafter's candidate selector (None for DFlash).
+_SELECTOR_SUMS = ("selector_loss", "in_top_k", "path_accepted")
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps had a non-finite loss or gradient norm."""
+
+
+class DrafterStep:
+    """The drafter's training step: owns its optimizer step and its windowed training metrics.
+
+    One call of :meth:`train_micro_batch` per micro-batch; every ``grad_accum`` calls make
+    one optimizer step. The objective returns sums; the loss backpropagated is the
+    micro-batch's weighted loss sum divided by its weight sum over all data-parallel ranks
+    (one all-reduce), so the gradient does not depend on how tokens fall across ranks.
+    """
+
+    def __init__(self, *, objective: torch.nn.Module, parameters: list[torch.nn.Parameter],
+                 optimizer: torch.optim.Optimizer, schedule: LRSchedule, cfg: TrainingConfig,
+                 dist_info: DistInfo, block_size: int, autocast_dtype: torch.dtype | None,
+                 flops_fn: Callable[[Batch], float] | None = None,
+                 peak_flops: float | None = None) -> None:
+        self.objective = objective
+        self.parameters = parameters
+        self.optimizer = optimizer
+        self.schedule = schedule
+        self.cfg = cfg
+        self.dist = dist_info
+        self.device = dist_info.device
+        self.autocast_dtype = autocast_dtype
+        self.flops_fn = flops_fn
+        """Model FLOPs of one micro-batch (from host-side shapes: no device sync)."""
+        self._flops = 0.0
+        self.peak_flops = peak_flops
+        self.optimizer_step = 0
+        """Optimizer steps taken (skipped non-finite steps included)."""
+        self.micro_step = 0
+        self.last_epoch = 0
+        self.total_skipped = 0
+        slots = cfg.loss_slots or block_size - 1
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, device=self.device, dtype=torch.float64)
+        self._sums = {name: zeros() for name in (*_LOSS_SUMS, *_SELECTOR_SUMS, "grad_norm", "skipped")}
+        self._slot_correct = zeros(slots)
+        self._slot_count = zeros(slots)
+        self._path_correct = zeros(slots)
+        self._has_selector = False
+        self._tokens = 0
+        self._samples = 0
+        # (weighted loss sum, weight sum) since the last checkpoint, for "best" checkpoints.
+        self._since_checkpoint = zeros(2)
+        self._grad_norm_max = zeros()
+        self._consecutive_bad = torch.zeros((), device=self.device, dtype=torch.int64)
+        self._window_steps = 0
+        self._window_start = time.perf_counter()
+        self._step_time = 0.0
+        self._wait_time = 0.0
+        self._found_inf = torch.zeros((), device=self.device, dtype=torch.float32)
+        self._weight_reduce = CollectiveTimer(self.device)
+        self._check_every = max(1, min(cfg.max_nonfinite_steps, 10))
+
+    def note_wait(self, seconds: float) -> None:
+        """Record time spent waiting for the next input (for perf/data_wait_frac)."""
+        self._wait_time += seconds
+
+    def train_micro_batch(self, item: StepInput) -> bool:
+        """Forward + backward of one micro-batch; steps the optimizer every grad_accum calls.
+
+        Returns whether this call took an optimizer step.
+        """
+        start = time.perf_counter()
+        if item.ready is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(item.ready)
+            for tensor in item.tensors():
+                tensor.record_stream(stream)
+        batch = item.batch
+        # Gradients are reduced across ranks only on the micro-batch that ends a step.
+        last_micro = (self.micro_step + 1) % self.cfg.grad_accum == 0
+        with gradient_sync(self.objective, last_micro):
+            with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
+                                enabled=self.autocast_dtype is not None):
+                sums: LossSums = self.objective(batch, item.target, self.optimizer_step)
+            # The one division: by the weight of this micro-batch over every rank (one
+            # all-reduce, which is also where ranks wait for the slowest). DDP and FSDP
+            # average gradients over ranks, hence the world_size factor.
+            global_weight = self._weight_reduce.all_reduce_sum(sums.weight.detach().clone())
+            scale = self.dist.world_size / (global_weight.clamp_min(1e-6) * self.cfg.grad_accum)
+            (sums.objective() * scale).backward()
+        self._accumulate(sums, batch)
+        if self.flops_fn is not None:
+            self._flops += self.flops_fn(batch)
+        self.micro_step += 1
+        self.last_epoch = batch.epoch
+        if last_micro:
+            self._optimizer_step()
+        self._step_time += time.perf_counter() - start
+        return last_micro
+
+    def _accumulate(self, sums: LossSums, batch: Batch) -> None:
+        with torch.no_grad():
+            # A non-finite micro-batch is skipped by the optimizer; keep it out of the means.
+            loss = sums.loss.detach().double()
+            finite = torch.isfinite(loss)
+            loss = torch.where(finite, loss, 0)
+            weight = torch.where(finite, sums.weight.double(), 0)
+            self._since_checkpoint += torch.stack((loss, weight))
+            self._sums["loss"] += loss
+            self._sums["weight"] += weight
+            for name in _LOSS_SUMS[2:]:
+                self._sums[name] += getattr(sums, name).double()
+            self._slot_correct += sums.correct_per_slot.double()
+            self._slot_count += sums.count_per_slot.double()
+            if sums.selector_loss is not None:
+                self._has_selector = True
+                selector_loss = sums.selector_loss.detach().double()
+                self._sums["selector_loss"] += torch.where(torch.isfinite(selector_loss), selector_loss, 0)
+                self._sums["in_top_k"] += sums.in_top_k.double()
+                self._sums["path_accepted"] += sums.path_accepted.double()
+                self._path_correct += sums.path_correct_per_slot.double()
+        self._tokens += batch.num_tokens
+        self._samples += batch.seq_lens.numel()
+
+    def _optimizer_step(self) -> None:
+        grad_norm = replicated_value(torch.nn.utils.clip_grad_norm_(
+            self.parameters, self.cfg.grad_clip, foreach=True))
+        bad = ~torch.isfinite(grad_norm)
+        # Skipped on the device by the fused optimizer; parameters and moments stay as they were.
+        self._found_inf.copy_(bad.float())
+        self.optimizer.found_inf = self._found_inf
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.schedule.step()
+        with torch.no_grad():
+            good = ~bad
+            self._sums["grad_norm"] += torch.where(good, grad_norm, 0).double()
+            self._grad_norm_max.copy_(torch.maximum(
+                self._grad_norm_max, torch.where(good, grad_norm, 0).double()))
+            self._sums["skipped"] += bad.double()
+            self._consecutive_bad.copy_((self._consecutive_bad + 1) * bad.long())
+        self.optimizer_step += 1
+        self._window_steps += 1
+        if self.optimizer_step % self._check_every == 0:
+            self.check_nonfinite()
+
+    def check_nonfinite(self) -> None:
+        """Host sync: stop the run after ``max_nonfinite_steps`` bad steps in a row."""
+        bad_run = int(self._consecutive_bad)
+        if bad_run >= self.cfg.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"{bad_run} consecutive optimizer steps had a non-finite loss or gradient norm "
+                f"(last at step {self.optimizer_step}); lower training.lr, check the data, or "
+                f"raise training.max_nonfinite_steps")
+
+    def loss_since_checkpoint(self) -> float | None:
+        """Mean train loss (all ranks) since the previous call; None if nothing was trained.
+
+        One host sync and, with several ranks, one all-reduce: call it on every rank at
+        checkpoint time only.
+        """
+        sums = all_reduce_sum(self._since_checkpoint.clone())
+        self._since_checkpoint.zero_()
+        loss, weight = sums.tolist()
+        return loss / weight if weight > 0 else None
+
+    def get_metrics(self) -> dict[str, Metric]:
+        """Window metrics since the last call (one host sync); resets the window.
+
+        Loss and accuracies are :class:`Ratio` s of window sums, so the monitor's cross-rank
+        combine gives the ratio over every rank's tokens; grad norms, the LR and the skip
+        count are the same on every rank (gradients are reduced).
+        """
+        now = time.perf_counter()
+        window = max(now - self._window_start, 1e-9)
+        packed = torch.cat([torch.stack([self._sums[k] for k in self._sums]),
+                            self._grad_norm_max[None], self._slot_correct,
+                            self._slot_count, self._path_correct]).tolist()
+        sums = dict(zip(self._sums, packed))
+        grad_norm_max = packed[len(sums)]
+        slots = len(self._slot_correct)
+        slot_correct = packed[len(sums) + 1:len(sums) + 1 + slots]
+        slot_count = packed[len(sums) + 1 + slots:len(sums) + 1 + 2 * slots]
+        path_correct = packed[len(sums) + 1 + 2 * slots:]
+        steps = max(self._window_steps, 1)
+        good_steps = max(self._window_steps - sums["skipped"], 1)
+        self.total_skipped += int(sums["skipped"])
+        metrics: dict[str, Metric] = {
+            "train/loss": Ratio(sums["loss"], sums["weight"]),
+            "train/acc": Ratio(sums["correct"], sums["count"]),
+            "train/tau_sim": Ratio(sums["accepted"], sums["blocks"]),
+            "train/grad_norm": sums["grad_norm"] / good_steps,
+            "train/grad_norm_max": Max(grad_norm_max),
+            "train/lr": self.schedule.lr,
+            "train/skipped_nonfinite": float(self.total_skipped),
+            "train/step": float(self.optimizer_step),
+            "train/tokens": Sum(float(self._tokens)),
+            "train/samples": Sum(float(self._samples)),
+            "perf/step_time_s": MeanSpread(self._step_time / steps, "perf/step_time_spread_s"),
+            "perf/data_wait_frac": self._wait_time / window,
+        }
+        for k, (c, n) in enumerate(zip(slot_correct, slot_count), start=1):
+            metrics[f"train/acc_pos/{k}"] = Ratio(c, n)
+        if self._has_selector:
+            metrics["train/selector_loss"] = Ratio(sums["selector_loss"], sums["weight"])
+            metrics["train/candidate_recall"] = Ratio(sums["in_top_k"], sums["count"])
+            metrics["train/tau_sim_selector"] = Ratio(sums["path_accepted"], sums["blocks"])
+            for k, (c, n) in enumerate(zip(path_correct, slot_count), start=1):
+                metrics[f"train/acc_sel_pos/{k}"] = Ratio(c, n)
+        if self.dist.enabled:
+            metrics["perf/allreduce_wait_s"] = self._weight_reduce.collect() / steps
+        if self.flops_fn is not None:
+            metrics["perf/tflops"] = self._flops / window / 1e12
+            if self.peak_flops:
+                metrics["perf/mfu"] = self._flops / window / self.peak_flops
+        self._reset_window(now)
+        return metrics
+
+    def _reset_window(self, now: float) -> None:
+        for value in self._sums.values():
+            value.zero_()
+        self._slot_correct.zero_()
+        self._slot_count.zero_()
+        self._path_correct.zero_()
+        self._grad_norm_max.zero_()
+        self._tokens = 0
+        self._samples = 0
+        self._flops = 0.0
+        self._window_steps = 0
+        self._step_time = 0.0
+        self._wait_time = 0.0
+        self._window_start = now
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, optimizer and schedule state (weights are saved by the trainer)."""
+        return {
+            "optimizer_step": self.optimizer_step,
+            "micro_step": self.micro_step,
+            "last_epoch": self.last_epoch,
+            "total_skipped": self.total_skipped,
+            "optimizer": self.optimizer.state_dict(),
+            "schedule": self.schedule.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.optimizer_step = int(state["optimizer_step"])
+        self.micro_step = int(state["micro_step"])
+        self.last_epoch = int(state["last_epoch"])
+        self.total_skipped = int(state["total_skipped"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
