@@ -1,10 +1,13 @@
 """Config loading: YAML + dotted overrides, strict keys and types, resolved config on disk."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from dflash_trainer.cli import main as cli
 from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.config import Config, ConfigError, TrainingConfig, load_config, save_config
 
@@ -93,6 +96,37 @@ def test_repo_configs_load():
 def test_cli_config_error_exit_code(capsys):
     assert cli_main(["prepare", "training.nope=1"]) == 2
     assert "unknown config key 'training.nope'" in capsys.readouterr().err
+
+
+def test_cli_takes_options_and_overrides_in_any_order(monkeypatch):
+    seen = {}
+
+    def handler(cfg, args):
+        seen.update(cfg=cfg, args=args)
+        return 0
+
+    monkeypatch.setattr(cli, "_resolve", lambda name: handler)
+    assert cli_main(["train", "training.lr=3e-4", "--resume", "auto", "training.epochs=3",
+                     "--overwrite", "data.max_length=64", "--data", "a.jsonl"]) == 0
+    cfg = seen["cfg"]
+    assert (cfg.training.lr, cfg.training.epochs, cfg.data.max_length) == (3e-4, 3, 64)
+    assert cfg.checkpoint.resume == "auto" and cfg.data.paths == ["a.jsonl"] and seen["args"].overwrite
+    assert cli_main(["report", "--debug", "runs/x", "logging.console=false"]) == 0
+    assert seen["args"].run == "runs/x" and seen["cfg"].logging.console is False
+
+
+def test_console_script_reads_an_override_after_an_option():
+    """Through the installed ``dflash-trainer``: the override after ``--resume`` reaches the
+    config (its range error, not argparse's "unrecognized arguments"); an unknown option after
+    overrides stays a usage error. Both exit 2."""
+    script = str(Path(sys.executable).parent / "dflash-trainer")
+    late = subprocess.run([script, "train", "training.lr=3e-4", "--resume", "auto", "training.epochs=0"],
+                          capture_output=True, text=True, timeout=120)
+    assert late.returncode == 2, late.stderr
+    assert late.stderr.startswith("dflash-trainer train: config error: training.epochs must be "), late.stderr
+    unknown = subprocess.run([script, "train", "training.lr=3e-4", "--nope"],
+                             capture_output=True, text=True, timeout=120)
+    assert unknown.returncode == 2 and "unrecognized arguments: --nope" in unknown.stderr, unknown.stderr
 
 
 def test_cli_help_documents_options(capsys):

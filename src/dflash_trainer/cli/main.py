@@ -1,8 +1,8 @@
 """Command line: ``dflash-trainer {prepare,features,train,eval,export,regenerate,demo,report,generate} [options]``.
 
-Every command takes ``--config FILE`` and dotted overrides (``training.lr=3e-4``). Command
-flags such as ``--target`` are shorthands for config keys. Handlers are imported lazily so
-that ``--help`` and config errors answer quickly.
+Every command takes ``--config FILE`` and dotted overrides (``training.lr=3e-4``), options and
+overrides in any order. Command flags such as ``--target`` are shorthands for config keys.
+Handlers are imported lazily so that ``--help`` and config errors answer quickly.
 
 Errors: a :class:`~dflash_trainer.core.errors.UserError` (and a disk that is full, read-only or not
 writable) is printed as one line and exits with its code (2 usage/config, 1 data, target,
@@ -189,6 +189,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: Sequence[str] | None = None,
+               parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The command line parsed with options and ``KEY=VALUE`` overrides in any order.
+
+    argparse fills a ``nargs="*"`` positional from its first run of values only, so
+    ``train K=V --resume auto K2=V2`` would leave ``K2=V2`` unrecognized; a sub-command's own
+    parser reads its arguments intermixed (options first, then every positional in order).
+    The top-level parser keeps ``--help`` and a missing or unknown command.
+    """
+    parser = parser or build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    subparsers = next(action for action in parser._actions
+                      if isinstance(action, argparse._SubParsersAction))
+    if not argv or argv[0] not in subparsers.choices:
+        return parser.parse_args(argv)
+    args = subparsers.choices[argv[0]].parse_intermixed_args(argv[1:])
+    args.command = argv[0]
+    return args
+
+
 def _argparse_kwargs(kwargs: dict) -> dict:
     """argparse's arguments of an ``extra`` flag: a ranged number is parsed by :func:`check_flags`
     (argparse's own type errors print a usage block), and its help shows the range."""
@@ -287,8 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dflash-trainer`` console script; returns the exit code."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     cmd = COMMANDS[args.command]
     debug = args.debug or os.environ.get("DFLASH_DEBUG", "") not in ("", "0")
     # Model-loading progress bars drown the trainer's own output.
