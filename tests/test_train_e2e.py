@@ -8,8 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from dflash_trainer.cli import demo
 from dflash_trainer.cli.main import main as cli_main
+from dflash_trainer.core.errors import LockError
+from dflash_trainer.core.locks import run_folder_lock
 from dflash_trainer.evaluation.prompt_sets import mtbench_prompts
+from dflash_trainer.reporting.report import write_report
 from helpers_e2e import make_chat_jsonl, make_tiny_target
 
 # Full CLI runs (train, demo with evaluation): about a minute.
@@ -87,6 +91,17 @@ def test_demo_command_end_to_end(tiny_setup, tmp_path: Path, capsys, monkeypatch
     target, data = tiny_setup
     run = tmp_path / "demo"
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "user-cache"))  # the durations it records
+    written = []
+
+    def report_under_the_lock(run_dir):
+        # Another writer is refused while the demo writes its results and report.
+        with pytest.raises(LockError, match="is in use by pid"):
+            run_folder_lock(run_dir).acquire()
+        assert (Path(run_dir) / "eval" / "results.json").is_file()
+        written.append(write_report(run_dir))
+        return written[-1]
+
+    monkeypatch.setattr(demo, "write_report", report_under_the_lock)
     # bf16 training: the demo evaluates against a float32 copy of the target (exact lossless).
     # Two steps: bf16 matmuls over the 49,152-token vocabulary crawl on CPUs without bf16
     # instructions (AVX2: ~1 GFLOP/s), and the path under test is the float32 evaluation copy.
@@ -95,6 +110,7 @@ def test_demo_command_end_to_end(tiny_setup, tmp_path: Path, capsys, monkeypatch
                                         "eval.max_new_tokens=12")])
     out = capsys.readouterr().out
     assert code == 0, out
+    assert len(written) == 1 and not (run / ".lock").exists()  # released once the report is written
     assert "acceptance length tau" in out and "exported drafter" in out
     assert "training steps in bfloat16; evaluation in float32, expected " in out
     # The expected duration is printed before the first evaluation, and the run records the

@@ -138,54 +138,59 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     except BaseException:
         close_after_failure(trainer)
         raise
-    trainer.close()
-    run_dir = Path(cfg.run_dir)
-    eval_dir = run_dir / "eval"
-    eval_dir.mkdir(parents=True, exist_ok=True)
-    assert untrained_speedup is not None and trained_speedup is not None
-    steps = trainer.drafter_step.optimizer_step
-    timing: dict[str, Any] = {}
-    if expected is not None:
-        estimate, key = expected
-        ratios = duration.measured_ratios(probe_s=estimate.probe_s, train_s=train_s, steps=steps,
-                                          eval_s=eval_s)
-        if steps == trainer.total_steps:  # a run cut short by a time limit measures less
-            duration.record(key, ratios)
-        timing = {"probe_step_s": estimate.probe_s, "expected_s": round(estimate.total_s, 1),
-                  "actual_s": round(actual_s, 1), "duration_ratios": ratios,
-                  "expected_with": estimate.ratios.source}
-    results = {
-        "tau": trained["eval/tau"], "acceptance_hist": trained["eval/acceptance_hist"],
-        "lossless": bool(trained["eval/lossless"]),
-        # speedup, speedup_reliable, speedup_unreliable_reasons, speedup_measurement
-        **trained_speedup.summary_fields(),
-        "untrained_tau": untrained["eval/tau"], "untrained_lossless": bool(untrained["eval/lossless"]),
-        **{f"untrained_{k}": v for k, v in untrained_speedup.summary_fields().items()},
-        "prompts": cfg.eval.prompts, "num_prompts": num_prompts,
-        "max_new_tokens": cfg.eval.max_new_tokens, "steps": trainer.drafter_step.optimizer_step,
-        "dtype": dtype,
-        # Wall times make a result file comparable across machines: the step rate varies ~3x.
-        "wall_s": round(time.monotonic() - started, 1), "train_s": round(train_s, 1),
-        "eval_s": [round(x, 1) for x in eval_s], **timing,
-        # The trained drafter's answers with their acceptance traces: the report highlights them.
-        "per_prompt": [r.to_json() for r in evaluator.last_requests],
-    }
-    (eval_dir / "results.json").write_text(json.dumps(results, indent=1))
-    report = write_report(run_dir)
-    expected_note = f", expected {timing['expected_s']:.0f} s" if timing else ""
-    print(f"\ndemo finished in {time.monotonic() - started:.0f} s "
-          f"({steps} training steps in {dtype}; evaluation in float32{expected_note})")
-    print(_results_table(untrained, trained, (untrained_speedup, trained_speedup)))
-    print(f"  run folder        {run_dir}\n"
-          f"  resolved config   {run_dir / 'config.yaml'}\n"
-          f"  metrics           {run_dir / 'metrics.jsonl'} (TensorBoard: {run_dir / 'tensorboard'})\n"
-          f"  checkpoints       {run_dir / 'checkpoints'}\n"
-          f"  exported drafter  {run_dir / 'drafter'} (z-lab format)\n"
-          f"  evaluation        {eval_dir / 'results.json'}\n"
-          f"  report            {report}\n"
-          f"  full MT-Bench eval: dflash-trainer eval --config {run_dir / 'config.yaml'} "
-          f"--drafter {run_dir / 'drafter'}", flush=True)
-    return 0 if trained["eval/lossless"] and untrained["eval/lossless"] else 1
+    try:
+        # The results and the report below still write into the run folder: like `train`, the
+        # demo keeps its lock until they are written, so no other writer starts there first.
+        trainer.close(keep_run_lock=True)
+        run_dir = Path(cfg.run_dir)
+        eval_dir = run_dir / "eval"
+        eval_dir.mkdir(parents=True, exist_ok=True)
+        assert untrained_speedup is not None and trained_speedup is not None
+        steps = trainer.drafter_step.optimizer_step
+        timing: dict[str, Any] = {}
+        if expected is not None:
+            estimate, key = expected
+            ratios = duration.measured_ratios(probe_s=estimate.probe_s, train_s=train_s, steps=steps,
+                                              eval_s=eval_s)
+            if steps == trainer.total_steps:  # a run cut short by a time limit measures less
+                duration.record(key, ratios)
+            timing = {"probe_step_s": estimate.probe_s, "expected_s": round(estimate.total_s, 1),
+                      "actual_s": round(actual_s, 1), "duration_ratios": ratios,
+                      "expected_with": estimate.ratios.source}
+        results = {
+            "tau": trained["eval/tau"], "acceptance_hist": trained["eval/acceptance_hist"],
+            "lossless": bool(trained["eval/lossless"]),
+            # speedup, speedup_reliable, speedup_unreliable_reasons, speedup_measurement
+            **trained_speedup.summary_fields(),
+            "untrained_tau": untrained["eval/tau"], "untrained_lossless": bool(untrained["eval/lossless"]),
+            **{f"untrained_{k}": v for k, v in untrained_speedup.summary_fields().items()},
+            "prompts": cfg.eval.prompts, "num_prompts": num_prompts,
+            "max_new_tokens": cfg.eval.max_new_tokens, "steps": trainer.drafter_step.optimizer_step,
+            "dtype": dtype,
+            # Wall times make a result file comparable across machines: the step rate varies ~3x.
+            "wall_s": round(time.monotonic() - started, 1), "train_s": round(train_s, 1),
+            "eval_s": [round(x, 1) for x in eval_s], **timing,
+            # The trained drafter's answers with their acceptance traces: the report highlights them.
+            "per_prompt": [r.to_json() for r in evaluator.last_requests],
+        }
+        (eval_dir / "results.json").write_text(json.dumps(results, indent=1))
+        report = write_report(run_dir)
+        expected_note = f", expected {timing['expected_s']:.0f} s" if timing else ""
+        print(f"\ndemo finished in {time.monotonic() - started:.0f} s "
+              f"({steps} training steps in {dtype}; evaluation in float32{expected_note})")
+        print(_results_table(untrained, trained, (untrained_speedup, trained_speedup)))
+        print(f"  run folder        {run_dir}\n"
+              f"  resolved config   {run_dir / 'config.yaml'}\n"
+              f"  metrics           {run_dir / 'metrics.jsonl'} (TensorBoard: {run_dir / 'tensorboard'})\n"
+              f"  checkpoints       {run_dir / 'checkpoints'}\n"
+              f"  exported drafter  {run_dir / 'drafter'} (z-lab format)\n"
+              f"  evaluation        {eval_dir / 'results.json'}\n"
+              f"  report            {report}\n"
+              f"  full MT-Bench eval: dflash-trainer eval --config {run_dir / 'config.yaml'} "
+              f"--drafter {run_dir / 'drafter'}", flush=True)
+        return 0 if trained["eval/lossless"] and untrained["eval/lossless"] else 1
+    finally:
+        trainer.release_run_lock()
 
 
 def _expected_duration(cfg: Config, trainer: Trainer) -> tuple[duration.DurationEstimate, str] | None:
