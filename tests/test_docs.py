@@ -9,7 +9,8 @@ result files in benchmarks/results/ and the metrics the code logs.
 - In the sections about the demo, every backticked ``key: value`` is a value of
   configs/demo-cpu.yaml, and the sentences that give the demo's numbers in words match it.
 - The README's metrics glossary lists every metric the code logs, and nothing else.
-- docs/ holds user documentation: no dated entries, process words or paths of one machine.
+- docs/ holds user documentation: no dated entries, process words or paths of one machine,
+  and no words that date a fact ("today", "this machine", "it is not done").
 """
 
 from __future__ import annotations
@@ -267,4 +268,28 @@ def test_docs_hold_user_documentation_only(doc):
     text = _text(doc)
     found = [f"{what}: {m.group(0)!r} at line {text.count(chr(10), 0, m.start()) + 1}"
              for what, pattern in NOT_FOR_USERS.items() for m in re.finditer(pattern, text, re.I)]
+    assert not found, f"{_rel(doc)}: {found}"
+
+
+# Docs state facts that hold for every reader, not the day they were written: when, where and
+# how far along a measurement or a piece of work was belongs in its result file (or nowhere).
+WEATHER = re.compile(
+    r"\b(that day|today|tonight|yesterday|tomorrow|this week|these days|right now|at the moment"
+    r"|for now|this (?:busy |shared |quiet |loaded )?machine|(?:it|this|that) is not done"
+    r"|not (?:done|finished|implemented) yet|the (?:old|new) (?:behaviou?r|code|default|layout)"
+    r"|older code|before the fix)\b".replace(" ", r"\s+"), re.I)  # a phrase may wrap
+
+
+def _prose(text: str) -> str:
+    """``text`` with code spans and blocks blanked (newlines kept, so line numbers hold): quoted
+    program output (`the drafter does not pay on this machine`) is what a command prints."""
+    return re.sub(r"(`+).+?\1", lambda m: re.sub(r"[^\n]", " ", m.group(0)), text, flags=re.S)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_rel)
+def test_docs_state_facts_not_the_days_weather(doc):
+    text = _prose(_text(doc))
+    found = [f"{m.group(0)!r} at line {text.count(chr(10), 0, m.start()) + 1}: "
+             f"{text.splitlines()[text.count(chr(10), 0, m.start())].strip()}"
+             for m in WEATHER.finditer(text)]
     assert not found, f"{_rel(doc)}: {found}"
