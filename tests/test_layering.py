@@ -9,6 +9,7 @@ annotations only and count for the part rule, not for cycles.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,11 @@ def test_the_training_runtime_never_reaches_evaluation_serving_or_reporting(part
 
 def test_no_import_cycles():
     assert cycles(module_graph(sources())) == []
+
+
+def test_the_layout_in_the_docs_is_the_one_tested():
+    """docs/architecture.md, "Layout": one row per part with its rank, as LAYERS has them."""
+    text = (PACKAGE.parents[1] / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (\d+) \| `([\w_]+)`", section, re.M)
+    assert {part: int(rank) for rank, part in rows} == {k: v for k, v in LAYERS.items() if k}
