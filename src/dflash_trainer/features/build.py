@@ -365,8 +365,32 @@ def build_store(cfg: Config, dist: DistInfo, *, out: Path, target: nn.Module | N
                        seconds=seconds, complete=(out / INDEX).is_file())
 
 
+def print_engine_command(cfg: Config) -> str:
+    """The command line of a vLLM server that serves ``cfg``'s hidden states (``engine.url``),
+    writing into ``engine.exchange_dir``, with the connector's folder on its ``PYTHONPATH``."""
+    import shlex
+
+    from transformers import AutoConfig
+
+    from dflash_trainer.features.engine import connector_files, engine_command, run_layout
+
+    folder = assets.resolve_target(cfg.model.target)
+    layout = run_layout(cfg.model, AutoConfig.from_pretrained(folder), labels=cfg.training.labels)
+    exchange = Path(cfg.engine.exchange_dir or "engine-exchange").resolve()
+    connector = connector_files(exchange)
+    dtype = str(config_dtype(cfg.model, torch.device("cpu"))).removeprefix("torch.")
+    command = engine_command(Path(cfg.engine.venv) / "bin" / "python", folder, port=8000, dtype=dtype,
+                             max_model_len=cfg.data.max_length + 1, layout=layout, exchange=exchange,
+                             cfg=cfg.engine)
+    return f"PYTHONPATH={shlex.quote(str(connector))} {shlex.join(command)}"
+
+
 def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
-    """The ``features`` command: build the feature store ``features.store`` (``--out``)."""
+    """The ``features`` command: build the feature store ``features.store`` (``--out``), or
+    print the vLLM server command for ``engine.url`` (``--print-engine-command``)."""
+    if args is not None and getattr(args, "print_engine_command", False):
+        print(print_engine_command(cfg))
+        return 0
     if cfg.features.store is None:
         from dflash_trainer.core.errors import ConfigError
 
