@@ -398,6 +398,37 @@ class FeaturesConfig:
 
 
 @dataclass(kw_only=True)
+class EngineConfig:
+    """Who runs the target's forward for ``train`` and ``features`` (docs/features.md, "The
+    target served by vLLM")."""
+
+    kind: Literal["transformers", "vllm"] = "transformers"
+    """``transformers``: the trainer runs the target itself; ``vllm``: a vLLM server computes the
+    hidden states (prefill-only requests through its ``extract_hidden_states`` method)."""
+    url: str | None = None
+    """A vLLM server to use instead of starting one (it must run the project's hidden-states
+    connector: ``dflash-trainer features --print-engine-command`` prints its command line)."""
+    venv: str = ".venv-vllm"
+    """The vLLM virtualenv a started server runs in (``make serve-check`` builds it)."""
+    exchange_dir: str | None = None
+    """Folder the engine writes each request's hidden states to and the trainer reads and deletes
+    them from (default: ``engine-exchange`` in the run folder or the store folder); a server
+    given by ``url`` must see it at the same path."""
+    max_inflight: int = ranged(8, ge=1, le=4096)
+    """Requests sent to the engine and not yet read back: bounds the engine's queue and the files
+    on disk, and pauses the requests when training falls behind."""
+    request_timeout_s: float = ranged(300.0, gt=0, le=DURATION_MAX_S, why="a year")
+    """Seconds one request may take before the engine counts as hung (training stops with a
+    final checkpoint)."""
+    startup_timeout_s: float = ranged(900.0, gt=0, le=DURATION_MAX_S, why="a year")
+    """Seconds a started server may take to become ready."""
+    enforce_eager: bool = True
+    """Start vLLM without torch.compile and CUDA graphs (fast start; off for a GPU engine)."""
+    extra_args: list[str] = field(default_factory=list)
+    """More command-line arguments for a started server (``--tensor-parallel-size 4`` ...)."""
+
+
+@dataclass(kw_only=True)
 class Config:
     """The root run configuration."""
 
@@ -411,6 +442,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     features: FeaturesConfig = field(default_factory=FeaturesConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -505,6 +537,14 @@ def validate(cfg: Config) -> None:
         (cfg.features.store is None or cfg.eval.every_steps is None,
          "eval.every_steps needs the whole target, which training from features.store does not load; "
          "unset eval.every_steps and run dflash-trainer eval on the exported drafter"),
+        (cfg.engine.kind == "transformers" or cfg.eval.every_steps is None,
+         "eval.every_steps needs the whole target in the trainer, which engine.kind=vllm does not load; "
+         "unset eval.every_steps and run dflash-trainer eval on the exported drafter"),
+        (cfg.engine.kind == "vllm" or cfg.engine.url is None,
+         f"engine.url={cfg.engine.url!r} is set but engine.kind is {cfg.engine.kind}; set engine.kind=vllm"),
+        (cfg.engine.kind == "transformers" or cfg.distributed.target == "replicate",
+         "distributed.target=fsdp shards a target the trainer runs; with engine.kind=vllm the engine holds "
+         "the target: use the engine's own parallelism (engine.extra_args) and distributed.target=replicate"),
         (cfg.pipeline.tokens_per_batch >= cfg.data.max_length,
          f"pipeline.tokens_per_batch ({cfg.pipeline.tokens_per_batch}) must be >= "
          f"data.max_length ({cfg.data.max_length}) so the longest sample fits a batch"),

@@ -65,6 +65,10 @@ COMMANDS: dict[str, Command] = {
         help="Compute the target's features of every training sample once, into a feature store "
              "that train reads with features.store=FOLDER; resumable, torchrun-launchable.",
         flags={"--target": "model.target", "--data": "data.paths", "--out": "features.store"},
+        extra=[("--print-engine-command", {
+            "action": "store_true",
+            "help": "print the vLLM server command that serves this config's hidden states "
+                    "(for engine.url) and exit"})],
     ),
     "train": Command(
         handler="dflash_trainer.cli.train:main",

@@ -64,6 +64,13 @@ class ServerError(UserError, RuntimeError):
     kind = "server error"
 
 
+class EngineError(UserError, RuntimeError):
+    """The inference engine serving the target's hidden states (``engine.kind=vllm``) died, hung,
+    or serves another model; the message names its log."""
+
+    kind = "engine error"
+
+
 class LockError(UserError, RuntimeError):
     """A folder is being written by another process (one writer per folder)."""
 

@@ -34,6 +34,7 @@ from dflash_trainer.core.distributed import DistInfo, init_distributed
 from dflash_trainer.model.dtypes import config_dtype
 from dflash_trainer.core.errors import DiskError
 from dflash_trainer.features.codec import encode
+from dflash_trainer.features.engine import EngineFeatures, EngineLayout, open_engine
 from dflash_trainer.features.manifest import (INDEX, MANIFEST, Manifest, ShardRecord, StoreError,
                                               record_path, shard_path)
 from dflash_trainer.core.fsutil import DISK_FIX, atomic_write_text, disk_oserror, fsync_path, sha256_file
@@ -285,14 +286,19 @@ def build_store(cfg: Config, dist: DistInfo, *, out: Path, target: nn.Module | N
     ``target``/``tokenizer``/``data`` replace ``model.target`` and the prepared token store
     (tests, benchmarks); ``after_shard`` is called with each shard this rank wrote.
     """
-    from dflash_trainer.features.target_parts import weights_hash
+    from dflash_trainer.features.target_parts import load_target_parts, weights_hash
 
     started = time.perf_counter()
     device = dist.device
     dtype = config_dtype(cfg.model, device) if target is None else next(target.parameters()).dtype
     folder = assets.resolve_target(cfg.model.target)
+    from_engine = cfg.engine.kind == "vllm"
     if target is None:
-        target, tokenizer = load_target(str(folder), device=device, dtype=dtype)
+        if from_engine:
+            # The engine runs the target; the labels need its final norm and LM head only.
+            target, tokenizer = load_target_parts(str(folder), device=device, dtype=dtype, layers=())
+        else:
+            target, tokenizer = load_target(str(folder), device=device, dtype=dtype)
     weights = weights_hash(folder)
     if data is None:
         data, _ = load_training_data(cfg, dist, tokenizer)
@@ -317,8 +323,20 @@ def build_store(cfg: Config, dist: DistInfo, *, out: Path, target: nn.Module | N
             _check_space(out, manifest, todo_tokens * dist.world_size, say)
             if kept:
                 say(f"features: {kept} finished shard(s) verified and kept")
-        extractor = FeatureExtractor(target, manifest.layer_ids, labels=cfg.training.labels,
-                                     label_chunk_size=cfg.training.loss_chunk_size)
+        extractor: FeatureExtractor | EngineFeatures
+        if from_engine:
+            layout = EngineLayout(layer_ids=tuple(manifest.layer_ids), num_layers=int(
+                text_config(target.config).num_hidden_layers), hidden_size=manifest.hidden_size,
+                final=cfg.training.labels != "data")
+            extractor = open_engine(
+                cfg.engine, dist, model=folder, target=target, tokenizer=tokenizer, layout=layout,
+                exchange=Path(cfg.engine.exchange_dir) if cfg.engine.exchange_dir else out / "engine-exchange",
+                dtype=dtype, max_model_len=cfg.data.max_length + 1, log_path=out / "engine-vllm.log",
+                labels=cfg.training.labels, label_chunk_size=cfg.training.loss_chunk_size,
+                say=say if dist.is_main else (lambda _: None))
+        else:
+            extractor = FeatureExtractor(target, manifest.layer_ids, labels=cfg.training.labels,
+                                         label_chunk_size=cfg.training.loss_chunk_size)
         progress = _Progress(say=say if dist.is_main else None, total=todo_tokens, shards=len(todo),
                              every_s=progress_every_s, world_size=dist.world_size)
         try:
@@ -347,8 +365,32 @@ def build_store(cfg: Config, dist: DistInfo, *, out: Path, target: nn.Module | N
                        seconds=seconds, complete=(out / INDEX).is_file())
 
 
+def print_engine_command(cfg: Config) -> str:
+    """The command line of a vLLM server that serves ``cfg``'s hidden states (``engine.url``),
+    writing into ``engine.exchange_dir``, with the connector's folder on its ``PYTHONPATH``."""
+    import shlex
+
+    from transformers import AutoConfig
+
+    from dflash_trainer.features.engine import connector_files, engine_command, run_layout
+
+    folder = assets.resolve_target(cfg.model.target)
+    layout = run_layout(cfg.model, AutoConfig.from_pretrained(folder), labels=cfg.training.labels)
+    exchange = Path(cfg.engine.exchange_dir or "engine-exchange").resolve()
+    connector = connector_files(exchange)
+    dtype = str(config_dtype(cfg.model, torch.device("cpu"))).removeprefix("torch.")
+    command = engine_command(Path(cfg.engine.venv) / "bin" / "python", folder, port=8000, dtype=dtype,
+                             max_model_len=cfg.data.max_length + 1, layout=layout, exchange=exchange,
+                             cfg=cfg.engine)
+    return f"PYTHONPATH={shlex.quote(str(connector))} {shlex.join(command)}"
+
+
 def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
-    """The ``features`` command: build the feature store ``features.store`` (``--out``)."""
+    """The ``features`` command: build the feature store ``features.store`` (``--out``), or
+    print the vLLM server command for ``engine.url`` (``--print-engine-command``)."""
+    if args is not None and getattr(args, "print_engine_command", False):
+        print(print_engine_command(cfg))
+        return 0
     if cfg.features.store is None:
         from dflash_trainer.core.errors import ConfigError
 

@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
@@ -28,6 +29,7 @@ from dflash_trainer.model.dtypes import config_dtype
 from dflash_trainer.core.errors import ConfigError
 from dflash_trainer.training.flops import StepShape, layer_dims, step_flops
 from dflash_trainer.model.batch import Batch
+from dflash_trainer.features.engine import EngineFeatures
 from dflash_trainer.features.store import FeatureStore
 from dflash_trainer.model.drafter import build_drafter, tapped_layer_ids, text_config
 from dflash_trainer.training.drafter_init import initialise_drafter
@@ -132,6 +134,8 @@ class Components:
     """The target's feature hooks (None when the features come from ``store``)."""
     store: FeatureStore | None
     """The feature store the run reads instead of running the target (``features.store``)."""
+    engine: EngineFeatures | None
+    """The engine-served target's features (``engine.kind=vllm``), instead of ``extractor``."""
     objective: nn.Module
     drafter_step: DrafterStep
     total_steps: int
@@ -145,11 +149,14 @@ class Components:
         return self.dist.device
 
     def close(self) -> None:
-        """Remove the feature hooks from the target, close the store's files (idempotent)."""
+        """Remove the feature hooks from the target, close the store's files, stop the engine
+        (idempotent)."""
         if self.extractor is not None:
             self.extractor.close()
         if self.store is not None:
             self.store.close()
+        if self.engine is not None:
+            self.engine.close()
 
 
 def run_mask_token_id(cfg: Config, tokenizer: Any, embed_rows: int, data: TrainingData) -> int:
@@ -272,6 +279,21 @@ def _open_store(cfg: Config, *, target: nn.Module, tokenizer: Any, data: Trainin
     return store
 
 
+def _open_engine(cfg: Config, dist: DistInfo, *, folder: Path, target: nn.Module, tokenizer: Any,
+                 dtype: torch.dtype) -> EngineFeatures:
+    """The engine-served target of ``engine.*`` (started or reached, then checked)."""
+    from dflash_trainer.features.engine import open_engine, run_layout
+
+    run_dir = Path(cfg.run_dir)
+    exchange = Path(cfg.engine.exchange_dir) if cfg.engine.exchange_dir else run_dir / "engine-exchange"
+    return open_engine(cfg.engine, dist, model=folder, target=target, tokenizer=tokenizer,
+                       layout=run_layout(cfg.model, target.config, labels=cfg.training.labels),
+                       exchange=exchange, dtype=dtype, max_model_len=cfg.data.max_length + 1,
+                       log_path=run_dir / "engine-vllm.log", labels=cfg.training.labels,
+                       label_chunk_size=cfg.training.loss_chunk_size,
+                       say=print if dist.is_main else (lambda _: None))
+
+
 def build(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None, tokenizer: Any = None,
           data: TrainingData | None = None) -> Components:
     """Build every part of a run for ``cfg`` on this rank.
@@ -286,9 +308,10 @@ def build(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None, token
     dtype = config_dtype(cfg.model, device) if target is None else next(target.parameters()).dtype
     torch.manual_seed(cfg.training.seed)
     from_store = cfg.features.store is not None
+    from_engine = cfg.engine.kind == "vllm" and not from_store
+    folder = str(assets.resolve_target(cfg.model.target)) if target is None or from_engine else ""
     if target is None:
-        folder = str(assets.resolve_target(cfg.model.target))
-        if from_store:
+        if from_store or from_engine:
             target, tokenizer = _load_target_parts(cfg, folder, dist.device, dtype)
         else:
             target, tokenizer = load_target(folder, device=target_load_device(dist, cfg.distributed),
@@ -297,6 +320,8 @@ def build(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None, token
     if data is None:
         data, data_stats = load_training_data(cfg, dist, tokenizer)
     store = _open_store(cfg, target=target, tokenizer=tokenizer, data=data, dtype=dtype) if from_store else None
+    engine = _open_engine(cfg, dist, folder=Path(folder), target=target, tokenizer=tokenizer,
+                          dtype=dtype) if from_engine else None
     embed_rows = target.get_input_embeddings().weight.shape[0]
     mask_id = run_mask_token_id(cfg, tokenizer, embed_rows, data)
     # The plans use their own seeded generators: building them here draws nothing from the
@@ -307,9 +332,10 @@ def build(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None, token
     if cfg.training.max_steps is not None:
         total_steps = min(total_steps, cfg.training.max_steps)
     side = build_drafter_step(cfg, dist, target, mask_token_id=mask_id, tokenizer=tokenizer,
-                              total_steps=total_steps, compute_dtype=dtype, runs_target=not from_store)
+                              total_steps=total_steps, compute_dtype=dtype,
+                              runs_target=not (from_store or from_engine))
     return Components(cfg=cfg, dist=dist, target=side.target, tokenizer=tokenizer, data=data,
                       data_stats=data_stats, plans=plans, drafter=side.drafter,
-                      extractor=side.extractor, store=store, objective=side.objective,
+                      extractor=side.extractor, store=store, engine=engine, objective=side.objective,
                       drafter_step=side.drafter_step, total_steps=total_steps,
                       compute_dtype=dtype)

@@ -35,7 +35,7 @@ from dflash_trainer.core.distributed import (
     DistInfo, apply_training_state, check_distributed_options, checkpoint_group,
     full_model_state, init_distributed, is_dtensor, is_sharded,
     target_stop_agreement, training_state)
-from dflash_trainer.core.errors import ConfigError, UserError
+from dflash_trainer.core.errors import ConfigError, EngineError, UserError
 from dflash_trainer.core.fsutil import disk_error, step_of
 from dflash_trainer.core.locks import FolderLock, run_folder_lock
 from dflash_trainer.model.batch import Batch
@@ -286,10 +286,11 @@ class Trainer:
                                       "`dflash-trainer train`, or pass Trainer(evaluator=...)")
                 self.in_training_eval = evaluator(cfg, target=self.target, tokenizer=self.parts.tokenizer)
             self.pipeline = TrainingPipeline(
-                data=self.parts.data, plans=self.parts.plans, extract=self.parts.extractor,
+                data=self.parts.data, plans=self.parts.plans, extract=self.parts.extractor or self.parts.engine,
                 store=self.parts.store, drafter_step=self.drafter_step, dist=self.dist,
                 settings=PipelineSettings.from_config(cfg, block_size=self.drafter.block_size),
-                trackers=self.trackers, stop_agreement=self.target_agreement)
+                trackers=self.trackers, stop_agreement=self.target_agreement,
+                engine=self.parts.engine.client if self.parts.engine is not None else None)
             if resume is not None:
                 # Last, so that nothing built after it draws from the restored RNG streams.
                 self.load_state_dict(resume)
@@ -658,7 +659,6 @@ class Trainer:
         Returns the last logged metrics; :attr:`stopped_by` says why it ended.
         """
         cfg = self.cfg
-        drafter_step, monitor = self.drafter_step, self.pipeline.monitor
         if self.dist.is_main:
             per_epoch = [self.parts.plans.num_steps(e) for e in range(cfg.training.epochs)]
             print(f"training: {self.total_steps} optimizer steps ({sum(per_epoch)} batches in "
@@ -671,44 +671,69 @@ class Trainer:
                       f"{objective.shape_sizes.describe()}", flush=True)
         clock = RunClock(start=time.monotonic())
         self.trackers.training_started()
+        try:
+            with GracefulStop() as signals, self.pipeline:
+                last, tau, stopped_by = self._train_loop(signals, clock, stop_after_steps, on_batch)
+        except EngineError as exc:
+            raise self._save_after_engine_failure(exc) from exc
+        self.stopped_by = stopped_by or "completed"
+        self._finish(self.stopped_by, time.monotonic() - clock.start)
+        return last
+
+    def _save_after_engine_failure(self, exc: EngineError) -> EngineError:
+        """The final checkpoint after the feature engine failed (the drafter's state is whole: the
+        engine only feeds it), and the error that says where it is. Single process only: ranks
+        whose engine still answers are in collectives this rank no longer enters."""
+        step = self.drafter_step.optimizer_step
+        at_boundary = self.drafter_step.micro_step % self.cfg.training.grad_accum == 0
+        if self.dist.enabled or not at_boundary or step == 0:
+            return exc
+        if self._snapshot_step != step:
+            self.save_checkpoint()
+        self.checkpointer.wait()
+        return EngineError(f"{exc}; training stopped with a checkpoint at step {step} in {self.ckpt_dir}: "
+                           "restart the engine and continue with --resume auto")
+
+    def _train_loop(self, signals: GracefulStop, clock: RunClock, stop_after_steps: int | None,
+                    on_batch: Callable[[Batch], None] | None) -> tuple[dict[str, float], float | None, str | None]:
+        """The step loop of :meth:`train` inside the running pipeline: (last metrics, last eval
+        tau, why it stopped or None)."""
+        drafter_step, monitor = self.drafter_step, self.pipeline.monitor
         stopped_by: str | None = None
         tau: float | None = None
         last: dict[str, float] = {}
         logged_epoch: int | None = None
-        with GracefulStop() as signals, self.pipeline:
-            for item in self.pipeline.step_inputs(
-                    until=lambda: drafter_step.optimizer_step >= self.total_steps):
-                stepped = drafter_step.train_micro_batch(item)
-                self.pipeline.acknowledge(item.batch)  # a checkpoint from here resumes after it
-                if item.batch.epoch != logged_epoch:
-                    logged_epoch = item.batch.epoch
-                    self._log_plan(logged_epoch)
-                if on_batch is not None:
-                    on_batch(item.batch)
-                if not stepped:
-                    continue  # gradients accumulate over grad_accum micro-batches
-                step = drafter_step.optimizer_step
-                last = monitor.maybe_log(step) or last
-                tau = self._maybe_eval(step)
-                decision = self._decide(step, tau=tau, signals=signals, clock=clock,
-                                        stop_after_steps=stop_after_steps)
-                if decision.stop is not None:
-                    stopped_by = decision.stop
-                    break  # the final checkpoint below
-                if decision.checkpoint:
-                    # A checkpoint step is a log step: the run totals it saves are exact.
-                    last = monitor.final(step) or last
-                    self.save_checkpoint(eval_tau=tau)
-                    clock.last_save = time.monotonic()
-            drafter_step.check_nonfinite()
-            last = monitor.final(drafter_step.optimizer_step) or last
-            # Not checkpointer.last_saved_step: only rank 0 writes, and asynchronously, so
-            # ranks would disagree and the snapshot's collectives would hang.
-            if self._snapshot_step != drafter_step.optimizer_step:
+        for item in self.pipeline.step_inputs(
+                until=lambda: drafter_step.optimizer_step >= self.total_steps):
+            stepped = drafter_step.train_micro_batch(item)
+            self.pipeline.acknowledge(item.batch)  # a checkpoint from here resumes after it
+            if item.batch.epoch != logged_epoch:
+                logged_epoch = item.batch.epoch
+                self._log_plan(logged_epoch)
+            if on_batch is not None:
+                on_batch(item.batch)
+            if not stepped:
+                continue  # gradients accumulate over grad_accum micro-batches
+            step = drafter_step.optimizer_step
+            last = monitor.maybe_log(step) or last
+            tau = self._maybe_eval(step)
+            decision = self._decide(step, tau=tau, signals=signals, clock=clock,
+                                    stop_after_steps=stop_after_steps)
+            if decision.stop is not None:
+                stopped_by = decision.stop
+                break  # the final checkpoint below
+            if decision.checkpoint:
+                # A checkpoint step is a log step: the run totals it saves are exact.
+                last = monitor.final(step) or last
                 self.save_checkpoint(eval_tau=tau)
-        self.stopped_by = stopped_by or "completed"
-        self._finish(self.stopped_by, time.monotonic() - clock.start)
-        return last
+                clock.last_save = time.monotonic()
+        drafter_step.check_nonfinite()
+        last = monitor.final(drafter_step.optimizer_step) or last
+        # Not checkpointer.last_saved_step: only rank 0 writes, and asynchronously, so
+        # ranks would disagree and the snapshot's collectives would hang.
+        if self._snapshot_step != drafter_step.optimizer_step:
+            self.save_checkpoint(eval_tau=tau)
+        return last, tau, stopped_by
 
     def _decide(self, step: int, *, tau: float | None, signals: GracefulStop, clock: RunClock,
                 stop_after_steps: int | None) -> StepDecision:

@@ -23,6 +23,7 @@ from typing import Any
 
 from dflash_trainer.config import Config
 from dflash_trainer.data.buckets import Plan
+from dflash_trainer.features.engine import VllmFeatureClient
 from dflash_trainer.features.store import FeatureStore
 from dflash_trainer.core.distributed import DistInfo, StopAgreement, gather_objects
 from dflash_trainer.model.batch import Batch, StepInput
@@ -31,6 +32,7 @@ from dflash_trainer.training.pipeline.drafter_step import DrafterStep
 from dflash_trainer.training.pipeline.monitor import Monitor
 from dflash_trainer.training.pipeline.prefetch import BatchPrefetcher, PrefetchOptions, TokenDataset
 from dflash_trainer.training.pipeline.stage import Stage, Supervisor
+from dflash_trainer.training.pipeline.engine_metrics import EngineMetrics
 from dflash_trainer.training.pipeline.store_stage import StoreReaderStage
 from dflash_trainer.training.pipeline.target_stage import FeatureFn, TargetStage
 from dflash_trainer.training.trackers import StepValues, Tracker
@@ -77,14 +79,16 @@ class TrainingPipeline:
     target stage run on their own threads; the drafter step, the monitor and this object's
     methods run on the caller's thread. ``stop_agreement`` (a sharded target's,
     ``distributed.target_stop_agreement``) makes the target stages of all ranks run the same
-    forwards.
+    forwards. ``engine`` (an engine-served target, whose feature function ``extract`` is) adds
+    the engine's metrics.
     """
 
     def __init__(self, *, data: TokenDataset, plans: Callable[[int], Plan], extract: FeatureFn | None,
                  drafter_step: DrafterStep, dist: DistInfo, settings: PipelineSettings,
                  store: FeatureStore | None = None,
                  trackers: Tracker | None = None,
-                 stop_agreement: StopAgreement | None = None) -> None:
+                 stop_agreement: StopAgreement | None = None,
+                 engine: VllmFeatureClient | None = None) -> None:
         self.drafter_step = drafter_step
         self.stop = threading.Event()
         self.batches = Channel("batches", settings.batch_queue_size, self.stop)
@@ -111,8 +115,12 @@ class TrainingPipeline:
         self.supervisor.add(self.target_stage)
         self.step_buckets = StepValues(trackers or Tracker(), "data/step_buckets")
         gather = (lambda window: gather_objects(window, dist)) if dist.enabled else None
+        sources: dict[str, Any] = {"prefetch": self.prefetcher, self.target_stage.name: self.target_stage,
+                                   "train": drafter_step}
+        if engine is not None:
+            sources["engine"] = EngineMetrics(engine)
         self.monitor = Monitor(
-            {"prefetch": self.prefetcher, self.target_stage.name: self.target_stage, "train": drafter_step},
+            sources,
             {"batches": self.batches, "features": self.features}, self.step_buckets,
             every_steps=settings.log_every_steps, every_s=settings.log_every_s, gather=gather)
 
