@@ -70,7 +70,7 @@ def tiny_target() -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval().requires_grad_(False)
 
 
-def _batches(target: torch.nn.Module, layer_ids: list[int], labels: str, num_anchors: int) -> list[StepInput]:
+def batches(target: torch.nn.Module, layer_ids: list[int], labels: str, num_anchors: int) -> list[StepInput]:
     extractor = FeatureExtractor(target, layer_ids, labels=labels, label_chunk_size=16)  # type: ignore[arg-type]
     generator = torch.Generator().manual_seed(1)
     items = []
@@ -92,7 +92,17 @@ def _batches(target: torch.nn.Module, layer_ids: list[int], labels: str, num_anc
 
 def record(case: str) -> dict[str, Any]:
     """The numbers of one case: each step's logged training metrics, and the export's
-    ``model.safetensors`` sha256 and ``config.json`` (its transformers version left out)."""
+    ``model.safetensors`` sha256 and ``config.json`` (its transformers version left out).
+    Runs on one thread (the sums of several threads can round differently)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _record(case)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _record(case: str) -> dict[str, Any]:
     cfg = load_config(DEMO, [*_SHRINK, *CASES[case]])
     target = tiny_target()
     torch.manual_seed(cfg.training.seed)
@@ -107,7 +117,7 @@ def record(case: str) -> dict[str, Any]:
                        block_size=drafter.block_size, autocast_dtype=None)
     steps = []
     torch.manual_seed(cfg.training.seed + 1)
-    for item in _batches(target, drafter.target_layer_ids, cfg.training.labels, cfg.training.num_anchors):
+    for item in batches(target, drafter.target_layer_ids, cfg.training.labels, cfg.training.num_anchors):
         step.train_micro_batch(item)
         metrics = combine([step.get_metrics()])
         steps.append({k: _hex(v) for k, v in sorted(metrics.items()) if k.startswith("train/")})
@@ -121,7 +131,6 @@ def record(case: str) -> dict[str, Any]:
 
 def main() -> None:
     """Rewrite :data:`GOLDEN` from the code as it is."""
-    torch.set_num_threads(1)
     golden = {case: record(case) for case in CASES}
     GOLDEN.write_text(json.dumps(golden, indent=1) + "\n")
     print(f"wrote {GOLDEN} ({GOLDEN.stat().st_size} bytes)")

@@ -22,6 +22,7 @@ from dflash_trainer.model.drafter import build_drafter, drafter_variant
 from dflash_trainer.training.drafter_init import initialise_drafter
 from dflash_trainer.model.modeling.dflash import BlockLayout, DFlashDraftModel
 from dflash_trainer.model.modeling.dflash2 import CandidateSelector, DFlash2DraftModel, DynamicDepthwiseConv
+from dflash_trainer.model.variants import get_variant
 from dflash_trainer.evaluation.spec_decode import speculative_generate
 
 H, V, BLOCK = 64, 256, 4
@@ -310,7 +311,7 @@ def test_export_has_z_labs_config_keys_and_tensors(tmp_path: Path) -> None:
     with safe_open(out / "model.safetensors", "pt") as f:
         found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     assert found == _expected_tensors(config)
-    assert (out / "dflash2.py").read_text() == export.MODELING_FILES["dflash2"][-1].read_text()
+    assert (out / "dflash2.py").read_text() == get_variant("dflash2").modeling_paths()[-1].read_text()
 
 
 def test_round_trip_and_the_wrong_variant_is_refused_in_one_line(tmp_path: Path) -> None:

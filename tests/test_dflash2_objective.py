@@ -1,4 +1,4 @@
-"""The DFlash2 selector's training terms (model/selector.py) against direct computations."""
+"""The DFlash2 selector's training terms (model/variants/dflash2.py) against direct computations."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig
 
-from dflash_trainer.config import ModelConfig
+from dflash_trainer.config import ModelConfig, TrainingConfig
 from dflash_trainer.model.drafter import build_drafter
-from dflash_trainer.model.selector import gathered_logits, selector_terms
+from dflash_trainer.model.variants import get_variant
+from dflash_trainer.model.variants.dflash2 import gathered_logits, selector_terms
 
 H, V, TOP_K = 32, 64, 4
 
@@ -149,14 +150,17 @@ def test_objective_adds_the_weighted_selector_loss_and_reports_its_metrics(weigh
     model = build_drafter(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[1], variant="dflash2",
                                       selector_rank=8, selector_top_k=TOP_K), target, mask_token_id=3)
     embed = torch.randn(V, H)
-    objective = DFlashObjective(model, embed, embed, gamma=None, loss_chunk_size=5, loss_slots=2,
-                                selector_weight=weight, selector_missing="insert")
+    terms = get_variant("dflash2").loss_terms(model, TrainingConfig(selector_weight=weight, selector_missing="insert"))
+    objective = DFlashObjective(model, embed, embed, gamma=None, loss_chunk_size=5, loss_slots=2, terms=terms)
     batch, outputs = _objective_inputs()
     sums = objective(batch, outputs, step=0)
-    assert sums.selector_loss is not None and sums.candidates is None
-    torch.testing.assert_close(sums.objective(), sums.loss + weight * sums.selector_loss)
-    assert 0 <= int(sums.in_top_k) <= int(sums.count) and sums.path_correct_per_slot.shape == (2,)
-    assert int(sums.blocks) <= int(sums.path_accepted) <= 3 * int(sums.blocks)
+    assert list(sums.terms) == ["selector_loss"] and sums.term_weights == {"selector_loss": weight}
+    torch.testing.assert_close(sums.objective(), sums.loss + weight * sums.terms["selector_loss"])
+    counts = sums.counts
+    assert 0 <= int(counts["in_top_k"]) <= int(sums.count) and counts["path_correct_per_slot"].shape == (2,)
+    assert int(sums.blocks) <= int(counts["path_accepted"]) <= 3 * int(sums.blocks)
+    assert [m.name for m in sums.metrics][-4:] == ["train/selector_loss", "train/candidate_recall",
+                                                    "train/tau_sim_selector", "train/acc_sel_pos"]
     sums.objective().backward()
     grads = [p.grad for p in model.candidate_selector.parameters()]
     if weight:
@@ -167,7 +171,7 @@ def test_objective_adds_the_weighted_selector_loss_and_reports_its_metrics(weigh
     # A DFlash drafter's objective has no selector term.
     plain = build_drafter(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[1]), target, mask_token_id=3)
     sums = DFlashObjective(plain, embed, embed, gamma=None, loss_chunk_size=5)(batch, outputs, step=0)
-    assert sums.selector_loss is None and sums.objective() is sums.loss
+    assert not sums.terms and not sums.counts and sums.objective() is sums.loss
 
 
 def test_a_dflash2_run_logs_the_selector_reports_it_exports_dflash2_and_resumes(tmp_path) -> None:
@@ -261,12 +265,13 @@ def test_a_dflash2_objective_step_holds_at_most_one_loss_chunk_of_logits() -> No
     model = build_drafter(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[1], variant="dflash2",
                                       selector_rank=8, selector_top_k=TOP_K), target, mask_token_id=3)
     embed = torch.randn(vocab, H)
-    objective = DFlashObjective(model, embed, embed, gamma=None, loss_chunk_size=chunk, selector_missing="insert")
+    terms = get_variant("dflash2").loss_terms(model, TrainingConfig(selector_missing="insert"))
+    objective = DFlashObjective(model, embed, embed, gamma=None, loss_chunk_size=chunk, terms=terms)
     batch, outputs = _objective_inputs()
     slots = 2 * 3 * 3
     largest = _LargestOutput()
     with largest:
         sums = objective(batch, outputs, step=0)
         sums.objective().backward()
-    assert sums.selector_loss is not None and model.candidate_selector.successor_codebook.grad is not None
+    assert "selector_loss" in sums.terms and model.candidate_selector.successor_codebook.grad is not None
     assert largest.numel <= max(chunk * vocab, vocab * 8) < slots * vocab, largest.op

@@ -291,9 +291,9 @@ def speculative_generate(drafter: nn.Module, target: nn.Module, input_ids: torch
                          clock: Clock = time.perf_counter) -> Decoded:
     """Speculative decoding of ``input_ids`` ``[1, S]`` with ``drafter.spec_generate``.
 
-    ``drafter`` is a ``DFlashDraftModel`` or ``DFlash2DraftModel`` (in-project or loaded through
-    ``trust_remote_code``) on the target's device; a DFlash2 drafter's blocks are its selector's
-    path (greedy, or sampled among the candidates at ``temperature > 0``). Its train/eval mode
+    ``drafter`` is a ``DFlashDraftModel`` or a variant's subclass (in-project or loaded through
+    ``trust_remote_code``) on the target's device; each block's drafts come from its class's
+    drafting step (``propose``: the argmax, or a variant's own walk). Its train/eval mode
     is restored afterwards (``spec_generate`` switches to eval mode; not every modeling file
     switches back). ``on_span`` receives the
     committed tokens step by step while decoding runs (one step behind the target, plus the

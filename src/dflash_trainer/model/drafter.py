@@ -29,16 +29,10 @@ from dflash_trainer.model.modeling.dflash import (
     DFlashDraftModel,
     build_target_layer_ids,
 )
-from dflash_trainer.model.modeling.dflash2 import (
-    DEFAULT_CONV_GROUP_SIZE,
-    DEFAULT_CONV_KERNEL_SIZE,
-    DEFAULT_SELECTOR_RANK,
-    DEFAULT_SELECTOR_TOP_K,
-    DFlash2DraftModel,
-)
 from dflash_trainer.model.target import check_target_layer_ids, decoder_layers
+from dflash_trainer.model.variants import drafter_class, get_variant, variant_of
 
-__all__ = ["ARCHITECTURES", "FINAL_NORM_SCALE", "SIGNATURE_KEY", "DFlash2DraftModel", "DFlashDraftModel",
+__all__ = ["FINAL_NORM_SCALE", "SIGNATURE_KEY", "DFlashDraftModel",
            "build_drafter", "build_drafter_config", "check_compatible", "default_target_layer_ids",
            "drafter_class", "drafter_variant", "init_drafter_from_target",
            "init_from_last_layers", "tapped_layer_ids", "target_signature",
@@ -52,21 +46,11 @@ of the target the drafter was built for. Outside ``dflash_config``, which z-lab,
 vLLM read; transformers keeps unknown top-level keys as config attributes."""
 _SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "mask_token_id")
 
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
-"""``model.variant`` -> the ``architectures`` entry of its exports (z-lab's class names)."""
-_CLASSES: dict[str, type[DFlashDraftModel]] = {"dflash": DFlashDraftModel, "dflash2": DFlash2DraftModel}
-
 
 def drafter_variant(config: PretrainedConfig) -> str:
-    """``dflash`` or ``dflash2``: the variant a drafter config describes, by its
-    ``architectures`` (a config without one is DFlash)."""
-    names = list(getattr(config, "architectures", None) or [])
-    return "dflash2" if ARCHITECTURES["dflash2"] in names else "dflash"
-
-
-def drafter_class(config: PretrainedConfig) -> type[DFlashDraftModel]:
-    """The model class of a drafter config (:func:`drafter_variant`)."""
-    return _CLASSES[drafter_variant(config)]
+    """The name (``model.variant``) of the variant a drafter config describes, by its
+    ``architectures`` (:func:`~dflash_trainer.model.variants.variant_of`)."""
+    return variant_of(config).name
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -184,31 +168,14 @@ def build_drafter_config(model_cfg: ModelConfig, target_config: PretrainedConfig
         dflash_config={"mask_token_id": int(mask_id), "target_layer_ids": layer_ids,
                        "block_size": model_cfg.block_size},
     )
-    config.architectures = [ARCHITECTURES[model_cfg.variant]]
-    if model_cfg.variant == "dflash2":
-        config.is_causal = False
-        config.dflash_config.update(_dflash2_settings(model_cfg, target))
+    variant = get_variant(model_cfg.variant)
+    config.architectures = [variant.architecture]
+    for key, value in variant.config_fields().items():
+        setattr(config, key, value)
+    config.dflash_config.update(variant.settings(model_cfg, target))
     setattr(config, SIGNATURE_KEY, target_signature(target_config, tokenizer))
     check_compatible(config, target_config)
     return config
-
-
-def _dflash2_settings(model_cfg: ModelConfig, target: PretrainedConfig) -> dict[str, int]:
-    """The ``dflash_config`` keys of a DFlash2 drafter, defaults filled in and checked against
-    the target's sizes."""
-    settings = {
-        "conv_kernel_size": DEFAULT_CONV_KERNEL_SIZE,
-        "conv_group_size": model_cfg.conv_group_size or DEFAULT_CONV_GROUP_SIZE,
-        "selector_rank": model_cfg.selector_rank or DEFAULT_SELECTOR_RANK,
-        "selector_top_k": model_cfg.selector_top_k or DEFAULT_SELECTOR_TOP_K,
-    }
-    if target.hidden_size % settings["conv_group_size"]:
-        raise ConfigError(f"model.conv_group_size={settings['conv_group_size']} does not divide the target's "
-                          f"hidden size {target.hidden_size}; choose a divisor of it (16 if it divides)")
-    if settings["selector_top_k"] > target.vocab_size:
-        raise ConfigError(f"model.selector_top_k={settings['selector_top_k']} is larger than the target's "
-                          f"vocabulary ({target.vocab_size} tokens); choose at most {target.vocab_size}")
-    return settings
 
 
 def check_compatible(drafter_config: PretrainedConfig, target_config: PretrainedConfig, *,
@@ -261,8 +228,9 @@ def _tokenizer_differences(recorded: dict[str, Any], current: dict[str, Any]) ->
 
 def build_drafter(model_cfg: ModelConfig, target_config: PretrainedConfig, *,
                   mask_token_id: int | None = None, tokenizer: Any = None) -> DFlashDraftModel:
-    """A freshly initialised drafter (fp32, SDPA attention) for ``target_config``: a
-    :class:`DFlashDraftModel`, or with ``model.variant: dflash2`` a :class:`DFlash2DraftModel`.
+    """A freshly initialised drafter (fp32, SDPA attention) for ``target_config``: the modeling
+    class of ``model.variant`` (a :class:`DFlashDraftModel` or a subclass), its modules at their
+    identity-safe init.
 
     ``mask_token_id`` overrides ``model_cfg.mask_token_id``; one of them must be set. With the
     target's ``tokenizer`` its fingerprint is recorded in the config (and so in every export).

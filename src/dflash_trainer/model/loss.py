@@ -9,12 +9,14 @@ more than one chunk of ``[slots, vocab]`` logits, and the head matmul runs twice
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F
 
-__all__ = ["LossSums", "chunked_head_loss", "dflash_loss", "reference_head_loss"]
+__all__ = ["BACKBONE_METRICS", "BackbonePass", "LossSums", "MetricSpec", "backbone_loss", "chunked_head_loss",
+           "dflash_loss", "reference_head_loss", "slot_rows"]
 
 
 def _chunk_terms(hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
@@ -121,15 +123,42 @@ def reference_head_loss(hidden: torch.Tensor, head_weight: torch.Tensor, labels:
     return (weights.float() * loss).sum(), correct
 
 
+@dataclass(frozen=True)
+class MetricSpec:
+    """One logged training metric: the ratio of two window sums, named as in
+    :meth:`LossSums.count_sums` / :attr:`LossSums.terms` (``loss`` and ``weight`` included).
+
+    Sums of one value give the metric ``name``; sums with one value per block slot (``[K]``)
+    give ``name/1`` .. ``name/K``.
+    """
+
+    name: str
+    """The metric's name, ``train/...``."""
+    numerator: str
+    """The sum divided."""
+    denominator: str
+    """The sum it is divided by (a ratio over every rank's sums, 0 where it is 0)."""
+
+
+BACKBONE_METRICS = (
+    MetricSpec("train/loss", "loss", "weight"),
+    MetricSpec("train/acc", "correct", "count"),
+    MetricSpec("train/tau_sim", "accepted", "blocks"),
+    MetricSpec("train/acc_pos", "correct_per_slot", "count_per_slot"),
+)
+"""The metrics every drafter logs; a variant's come after them (:attr:`LossSums.metrics`)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LossSums:
     """One micro-batch's loss and metric sums, on the device (no host sync).
 
     Sums, not means, so that micro-batches and ranks add up: the train loop divides
-    :attr:`loss` by the weight summed over every rank, once. The logged metrics are ratios of
-    these sums under the same names: ``train/loss`` = loss / weight, ``train/acc`` = correct /
-    count, ``train/acc_pos/{k}`` = correct_per_slot / count_per_slot, ``train/tau_sim`` =
-    accepted / blocks.
+    :meth:`objective` by the weight summed over every rank, once. The logged metrics are
+    ratios of these sums, as :attr:`metrics` declares: ``train/loss`` = loss / weight,
+    ``train/acc`` = correct / count, ``train/acc_pos/{k}`` = correct_per_slot / count_per_slot,
+    ``train/tau_sim`` = accepted / blocks, and those of the drafter's variant over its own named
+    :attr:`terms` and :attr:`counts`.
     """
 
     loss: torch.Tensor
@@ -148,31 +177,59 @@ class LossSums:
     """Sum over kept blocks of 1 + the number of leading correct supervised slots."""
     blocks: torch.Tensor
     """Kept (real) blocks."""
-    candidates: tuple[torch.Tensor, torch.Tensor] | None = None
-    """With ``dflash_loss(top_k=k)``: the top-k logits and their token ids ``[B, N, K, k]`` of
-    every supervised slot (no gradient), for the DFlash2 selector; not a sum."""
-    selector_loss: torch.Tensor | None = None
-    """DFlash2: ``sum_i w_i * CE_i`` of the candidate selector (differentiable; the objective
-    adds it, times ``training.selector_weight``, to :attr:`loss` in :meth:`objective`)."""
-    selector_weight: float = 0.0
-    """The factor of :attr:`selector_loss` in :meth:`objective`."""
-    in_top_k: torch.Tensor | None = None
-    """DFlash2: supervised slots whose label is among the candidates."""
-    path_correct_per_slot: torch.Tensor | None = None
-    """DFlash2: ``[K]`` supervised slots where the selector's greedy path is the label."""
-    path_accepted: torch.Tensor | None = None
-    """DFlash2: sum over kept blocks of 1 + the leading correct slots of the selector's path."""
+    terms: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """The variant's own loss sums by name (differentiable; :meth:`objective` adds each, times
+    its :attr:`term_weights` entry, to :attr:`loss`)."""
+    term_weights: Mapping[str, float] = field(default_factory=dict)
+    """The factor of each of :attr:`terms` in :meth:`objective`."""
+    counts: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """The variant's own metric sums by name (no gradient): one value, or one per block slot."""
+    metrics: tuple[MetricSpec, ...] = BACKBONE_METRICS
+    """How the sums are logged: :data:`BACKBONE_METRICS`, then the variant's."""
+
+    def __post_init__(self) -> None:
+        # Windows add sums up by name: a variant's name equal to another sum's would merge them.
+        names = [*LossSums.backbone_shapes(0), *self.terms, *self.counts]
+        if len(names) != len(set(names)):
+            raise ValueError(f"a variant's sums {sorted(self.terms)} + {sorted(self.counts)} reuse a name "
+                             f"of another sum: {sorted({n for n in names if names.count(n) > 1})}")
 
     def mean_loss(self) -> torch.Tensor:
         """``loss / weight``: the micro-batch's own weighted mean (0 when nothing is supervised)."""
         return self.loss / self.weight.clamp_min(1e-6)
 
     def objective(self) -> torch.Tensor:
-        """What training minimises (before the division by the weight): :attr:`loss`, plus
-        ``selector_weight *`` :attr:`selector_loss` for DFlash2."""
-        if self.selector_loss is None:
-            return self.loss
-        return self.loss + self.selector_weight * self.selector_loss
+        """What training minimises (before the division by the weight): :attr:`loss`, plus each
+        of the variant's :attr:`terms` times its weight."""
+        total = self.loss
+        for name, value in self.terms.items():
+            total = total + self.term_weights[name] * value
+        return total
+
+    def count_sums(self) -> dict[str, torch.Tensor]:
+        """Every metric sum that is not a loss, by name: the backbone's and the variant's."""
+        return {"correct": self.correct, "count": self.count, "accepted": self.accepted, "blocks": self.blocks,
+                "correct_per_slot": self.correct_per_slot, "count_per_slot": self.count_per_slot, **self.counts}
+
+    @staticmethod
+    def backbone_shapes(slots: int) -> dict[str, tuple[int, ...]]:
+        """The shape of each backbone sum (``loss``, ``weight`` and :meth:`count_sums` without
+        a variant's) for ``slots`` supervised block slots: what a window starts from."""
+        return {"loss": (), "weight": (), "correct": (), "count": (), "accepted": (), "blocks": (),
+                "correct_per_slot": (slots,), "count_per_slot": (slots,)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackbonePass:
+    """The backbone's loss pass over N blocks of K supervised slots: its sums, and what a
+    variant's terms may read of it (no gradient)."""
+
+    sums: LossSums
+    hits: torch.Tensor
+    """``[B, N, K]`` supervised slots whose top-1 prediction is the label."""
+    candidates: tuple[torch.Tensor, torch.Tensor] | None
+    """With ``top_k=k``: each slot's top-k logits and their token ids ``[B, N, K, k]``, taken
+    from the loss chunks already in memory."""
 
 
 def slot_rows(block_hidden: torch.Tensor, num: int, slots: int) -> torch.Tensor:
@@ -186,7 +243,16 @@ def slot_rows(block_hidden: torch.Tensor, num: int, slots: int) -> torch.Tensor:
 
 def dflash_loss(block_hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
                 weights: torch.Tensor, keep: torch.Tensor, *, chunk_size: int,
-                soft_hidden: torch.Tensor | None = None, top_k: int = 0) -> LossSums:
+                soft_hidden: torch.Tensor | None = None) -> LossSums:
+    """Decay-weighted loss over block slots 1..K and the metric sums of the same pass: the
+    sums of :func:`backbone_loss`."""
+    return backbone_loss(block_hidden, head_weight, labels, weights, keep, chunk_size=chunk_size,
+                         soft_hidden=soft_hidden).sums
+
+
+def backbone_loss(block_hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
+                  weights: torch.Tensor, keep: torch.Tensor, *, chunk_size: int,
+                  soft_hidden: torch.Tensor | None = None, top_k: int = 0) -> BackbonePass:
     """Decay-weighted loss over block slots 1..K (K <= B-1) and the metric sums of the same pass.
 
     Args:
@@ -200,11 +266,11 @@ def dflash_loss(block_hidden: torch.Tensor, head_weight: torch.Tensor, labels: t
         chunk_size: slots per LM-head chunk.
         soft_hidden: ``[B, N, K, H]`` target final hidden states at positions ``a + k - 1``
             for KL distillation; None for hard labels.
-        top_k: also return each slot's top-k logits (:attr:`LossSums.candidates`).
+        top_k: also return each slot's top-k logits (:attr:`BackbonePass.candidates`).
 
     Returns:
-        :class:`LossSums`; the top-1 (and top-k) predictions come from the loss chunks already
-        in memory.
+        :class:`BackbonePass`; the top-1 (and top-k) predictions come from the loss chunks
+        already in memory.
     """
     batch, num, slots = labels.shape
     hidden = slot_rows(block_hidden, num, slots).reshape(batch * num * slots, -1)
@@ -222,7 +288,8 @@ def dflash_loss(block_hidden: torch.Tensor, head_weight: torch.Tensor, labels: t
     candidates = None
     if top_k:
         candidates = (top_values.view(batch, num, slots, top_k), top_ids.view(batch, num, slots, top_k))
-    return LossSums(loss=total, weight=weights.float().sum(), correct=hits.sum(),
+    sums = LossSums(loss=total, weight=weights.float().sum(), correct=hits.sum(),
                     count=supervised.sum(), correct_per_slot=hits.sum(dim=(0, 1)),
                     count_per_slot=supervised.sum(dim=(0, 1)),
-                    accepted=((leading + 1) * keep).sum(), blocks=keep.sum(), candidates=candidates)
+                    accepted=((leading + 1) * keep).sum(), blocks=keep.sum())
+    return BackbonePass(sums=sums, hits=hits, candidates=candidates)

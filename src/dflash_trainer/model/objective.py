@@ -4,9 +4,9 @@
 head. The train loop calls ``objective(batch, target, step)`` and backpropagates the loss sum
 divided by the weight summed over every rank.
 
-A DFlash2 drafter adds its candidate selector's loss (:mod:`dflash_trainer.model.selector`),
-times ``training.selector_weight``, on the candidates the full-vocabulary loss's chunks already
-ranked, and the selector's metrics.
+A drafter variant adds its own terms (:class:`~dflash_trainer.model.variants.LossTerms`): the
+objective hands them the backbone pass's slot states, labels and (if they ask) each slot's top-k
+candidates from the loss chunks, and the sums carry their named losses and metrics.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dflash_trainer.config import Config, default_gamma
+from dflash_trainer.config import Config, TrainingConfig, default_gamma
 from dflash_trainer.model.batch import Batch
 from dflash_trainer.model.blocks import (build_block_inputs, dense_block_mask, flex_block_mask,
                                          label_positions, labels_and_weights, position_ids)
-from dflash_trainer.model.loss import LossSums, dflash_loss, slot_rows
+from dflash_trainer.model.loss import LossSums, backbone_loss, slot_rows
 from dflash_trainer.model.modeling.dflash import BlockLayout, DFlashDraftModel
-from dflash_trainer.model.selector import selector_terms
 from dflash_trainer.model.shapes import ShapeSizes, pad_blocks, shape_sizes
 from dflash_trainer.model.target import TargetOutputs
+from dflash_trainer.model.variants import LossTerms, SlotInputs, variant_of
 
 __all__ = ["DFlashObjective", "noise_scale"]
 
@@ -50,14 +50,16 @@ class DFlashObjective(nn.Module):
     sizes (:mod:`dflash_trainer.model.shapes`) when ``round_shapes`` is ``always``, or ``auto``
     and the attention is FlexAttention (compiled, so specialised on shapes); the loss is the
     same either way.
+
+    ``terms``: the variant's training terms (:meth:`~dflash_trainer.model.variants.Variant.loss_terms`);
+    by default those of the drafter's variant under the default ``training`` options.
     """
 
     def __init__(self, drafter: DFlashDraftModel, embed_weight: torch.Tensor, head_weight: torch.Tensor, *,
                  gamma: float | None, loss_chunk_size: int, loss_slots: int | None = None,
                  labels: Literal["data", "target_greedy", "kl"] = "data",
                  attention: Literal["auto", "sdpa", "blockwise", "flex"] = "auto",
-                 noise_std: float = 0.0, noise_warmup_steps: int = 0, selector_weight: float = 1.0,
-                 selector_missing: Literal["exclude", "insert"] = "exclude",
+                 noise_std: float = 0.0, noise_warmup_steps: int = 0, terms: LossTerms | None = None,
                  shape_sizes: ShapeSizes | None = None,
                  round_shapes: Literal["auto", "always", "never"] = "auto") -> None:
         super().__init__()
@@ -79,15 +81,10 @@ class DFlashObjective(nn.Module):
         self.attention = attention
         self.noise_std = noise_std
         self.noise_warmup_steps = noise_warmup_steps
-        self.selector_weight = selector_weight
-        self.selector_missing = selector_missing
         self.shape_sizes = shape_sizes
         self.round_shapes = round_shapes
-        selector = getattr(drafter, "candidate_selector", None)
-        if selector is not None and selector_weight == 0:
-            # Untrained, so not an optimizer (or DDP) parameter: DDP refuses parameters
-            # that get no gradient.
-            selector.requires_grad_(False)
+        # A plain attribute, not a submodule: the modules it uses are the drafter's own.
+        self.terms = terms if terms is not None else variant_of(drafter.config).loss_terms(drafter, TrainingConfig())
 
     @classmethod
     def from_config(cls, drafter: DFlashDraftModel, embed_weight: torch.Tensor, head_weight: torch.Tensor,
@@ -99,8 +96,7 @@ class DFlashObjective(nn.Module):
                    loss_slots=t.loss_slots,
                    labels=t.labels, attention=cfg.model.attention, noise_std=t.noise_std,
                    noise_warmup_steps=t.noise_warmup_steps,
-                   selector_weight=1.0 if t.selector_weight is None else t.selector_weight,
-                   selector_missing=t.selector_missing or "exclude",
+                   terms=variant_of(drafter.config).loss_terms(drafter, t),
                    shape_sizes=shape_sizes(max_width=cfg.data.max_length,
                                            num_anchors=t.num_anchors,
                                            block_size=drafter.block_size),
@@ -178,21 +174,16 @@ class DFlashObjective(nn.Module):
             prev = label_positions(anchors, slots, final_hidden.shape[1], shift=-1).flatten(1)
             soft_hidden = final_hidden.gather(1, prev[..., None].expand(-1, -1, final_hidden.shape[-1]))
             soft_hidden = soft_hidden.view(*labels.shape, -1)
-        selector = getattr(self.drafter, "candidate_selector", None)
-        sums = dflash_loss(hidden, self.head_weight, labels, weights, keep, chunk_size=self.loss_chunk_size,
-                           soft_hidden=soft_hidden, top_k=0 if selector is None else selector.top_k)
-        if selector is None:
-            return sums
-        assert sums.candidates is not None
-        values, ids = sums.candidates
-        with torch.set_grad_enabled(torch.is_grad_enabled() and self.selector_weight > 0):
-            terms = selector_terms(selector, slot_rows(hidden, anchors.shape[1], slots), self.head_weight, ids,
-                                   values, labels, weights, input_ids.gather(1, anchors), keep,
-                                   missing=self.selector_missing, chunk_size=self.loss_chunk_size)
-        return dataclasses.replace(sums, candidates=None, selector_loss=terms.loss,
-                                   selector_weight=self.selector_weight, in_top_k=terms.in_top_k,
-                                   path_correct_per_slot=terms.path_correct_per_slot,
-                                   path_accepted=terms.path_accepted)
+        backbone = backbone_loss(hidden, self.head_weight, labels, weights, keep, chunk_size=self.loss_chunk_size,
+                                 soft_hidden=soft_hidden, top_k=0 if self.terms is None else self.terms.top_k)
+        if self.terms is None:
+            return backbone.sums
+        extra = self.terms(SlotInputs(
+            hidden=slot_rows(hidden, anchors.shape[1], slots), head_weight=self.head_weight, labels=labels,
+            weights=weights, keep=keep, anchor_ids=input_ids.gather(1, anchors), hits=backbone.hits,
+            candidates=backbone.candidates, soft_hidden=soft_hidden, chunk_size=self.loss_chunk_size))
+        return dataclasses.replace(backbone.sums, terms=dict(extra.losses), term_weights=dict(self.terms.weights),
+                                   counts=dict(extra.counts), metrics=backbone.sums.metrics + self.terms.metrics)
 
 
 def _required(value: torch.Tensor | None, name: str) -> torch.Tensor:

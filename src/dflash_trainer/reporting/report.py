@@ -36,6 +36,7 @@ from matplotlib.figure import Figure
 
 from dflash_trainer.config import Config
 from dflash_trainer.evaluation.speedup import describe_measurement, format_speedup
+from dflash_trainer.model.variants import VARIANTS
 
 Series = tuple[list[int], list[float]]
 
@@ -290,12 +291,15 @@ def _plot_acc_pos(path: Path, log: MetricsLog) -> None:
         return
     fig, ax = _figure("Accuracy per block slot", ylabel="accuracy")
     cmap = matplotlib.colormaps["viridis"]
-    selector = log.family(r"train/acc_sel_pos/(\d+)")  # DFlash2: the selector's path, dashed
+    # A variant's own per-slot accuracies (of its drafting path), dashed beside each slot's.
+    paths = [(log.family(re.escape(name) + r"/(\d+)"), suffix)
+             for variant in VARIANTS.values() for name, suffix in variant.report.slot_paths.items()]
     for i, (k, (steps, values)) in enumerate(slots.items()):
         ax.plot(steps, values, color=cmap(i / max(1, len(slots) - 1)), label=f"slot {k}")
-        if k in selector:
-            ax.plot(*selector[k], color=cmap(i / max(1, len(slots) - 1)), linestyle="--",
-                    label=f"slot {k}, selector path")
+        for family, suffix in paths:
+            if k in family:
+                ax.plot(*family[k], color=cmap(i / max(1, len(slots) - 1)), linestyle="--",
+                        label=f"slot {k}, {suffix}")
     steps, values = log.series("train/acc")
     if steps:
         ax.plot(steps, values, color="black", linewidth=2.0, label="mean (train/acc)")
@@ -333,9 +337,11 @@ def _plot_tau(path: Path, log: MetricsLog, evals: list[EvalResult]) -> None:
     fig, ax = _figure("Acceptance length (tau)", ylabel="tau")
     if sim[0]:
         ax.plot(*sim, label="train/tau_sim (simulated, training batches)")
-    selector = log.series("train/tau_sim_selector")
-    if selector[0]:
-        ax.plot(*selector, label="train/tau_sim_selector (DFlash2 selector's path, training batches)")
+    for variant in VARIANTS.values():
+        for name, label in variant.report.tau.items():
+            series = log.series(name)
+            if series[0]:
+                ax.plot(*series, label=label)
     if ev[0]:
         ax.plot(*ev, marker="o", linestyle="--", label="eval/tau (in training)")
     greys = ("#555555", "#999999", "#bbbbbb")
@@ -551,10 +557,11 @@ def summarize(log: MetricsLog, evals: list[EvalResult],
         ("steps skipped (non-finite)", _fmt(skipped, "{:.0f}")),
         ("longest same-bucket run", longest),
     ]
-    if log.last("train/tau_sim_selector") is not None:
-        at = rows.index(("final tau_sim", _fmt(log.last("train/tau_sim")))) + 1
-        rows[at:at] = [("final tau_sim_selector (DFlash2)", _fmt(log.last("train/tau_sim_selector"))),
-                       ("final candidate_recall (DFlash2)", _fmt(log.last("train/candidate_recall")))]
+    # A variant's own summary metrics, after the backbone's tau_sim, where the run logged them.
+    at = rows.index(("final tau_sim", _fmt(log.last("train/tau_sim")))) + 1
+    rows[at:at] = [(f"final {name.removeprefix('train/')} ({variant.title})", _fmt(log.last(name)))
+                   for variant in VARIANTS.values() for name in variant.report.summary
+                   if log.last(name) is not None]
     if log.rewinds:
         rows.append(("resumes that re-ran logged steps", str(log.rewinds)))
     if log.bad_lines:

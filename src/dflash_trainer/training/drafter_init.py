@@ -17,9 +17,9 @@ from transformers import PretrainedConfig
 from dflash_trainer.config import ModelConfig
 from dflash_trainer.core.errors import CheckpointError
 from dflash_trainer.training.export import load_checkpoint_drafter
-from dflash_trainer.model.drafter import (check_compatible, drafter_variant, init_drafter_from_target,
-                                          init_from_last_layers)
+from dflash_trainer.model.drafter import check_compatible, init_drafter_from_target, init_from_last_layers
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
+from dflash_trainer.model.variants import VARIANTS, Variant, titles, variant_of
 
 __all__ = ["initialise_drafter", "warm_start"]
 
@@ -32,16 +32,21 @@ def warm_start(drafter: DFlashDraftModel, path: str, target_config: PretrainedCo
     """``model.init_from``: copy the weights of the drafter exported or checkpointed at ``path``
     into ``drafter``; the names copied.
 
-    A DFlash drafter gives a DFlash2 one its backbone (the convolutions and the selector keep
-    their identity initialisation); a DFlash2 drafter cannot start a DFlash one. Raises
-    :class:`CheckpointError` (one line) for the wrong variant, another target (vocabulary, hidden
-    size, and given the target's ``tokenizer`` its chat template and special ids), other target
-    layers or other layer sizes.
+    The drafter's variant says which variants may start it
+    (:attr:`~dflash_trainer.model.variants.Variant.warm_starts_from`): a variant that adds
+    modules to the backbone takes a plain DFlash drafter's backbone, its own modules keeping
+    their identity initialisation. Raises :class:`CheckpointError` (one line) for the wrong
+    variant, another target (vocabulary, hidden size, and given the target's ``tokenizer`` its
+    chat template and special ids), other target layers or other layer sizes.
     """
     where = f"model.init_from={path}"
-    variant = drafter_variant(drafter.config)
-    source = load_checkpoint_drafter(path, variant="dflash" if variant == "dflash" else None,
-                                     fix="warm-start it with model.variant=dflash2, or give a DFlash drafter")
+    accepted = variant_of(drafter.config).warm_starts_from
+
+    def fix(found: Variant) -> str:
+        takers = [v.name for v in VARIANTS.values() if found.name in v.warm_starts_from]
+        return f"warm-start it with model.variant={' or '.join(takers)}, or give a {titles(accepted)} drafter"
+
+    source = load_checkpoint_drafter(path, variant=accepted, fix=fix)
     try:
         check_compatible(source.config, target_config, tokenizer=tokenizer)
     except ValueError as exc:

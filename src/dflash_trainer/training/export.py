@@ -1,12 +1,12 @@
-"""Export a drafter in the z-lab ``DFlashDraftModel`` / ``DFlash2DraftModel`` format, and load it back.
+"""Export a drafter in z-lab's format (``DFlashDraftModel`` and its variants), and load it back.
 
 An exported folder holds ``config.json`` (Qwen3 fields + DFlash keys, written both at the top
 level and in ``dflash_config`` so z-lab, SGLang, vLLM and MLX loaders all find them),
 ``model.safetensors`` (draft-only weights, no embedding, LM head or rotary buffers) and the
-standalone ``dflash.py`` modeling file that ``trust_remote_code`` loads (a DFlash2 export also
-``dflash2.py``, its class, which imports ``dflash.py``; its ``config.json`` adds
-``is_causal: false`` and the convolution and selector keys to ``dflash_config``). Loading picks
-the class from ``architectures``. The folder is written
+standalone modeling files that ``trust_remote_code`` loads (``dflash.py``, and a variant's own
+file, which imports it). The drafter's variant (:mod:`dflash_trainer.model.variants`) adds its
+top-level keys, its ``dflash_config`` keys and its tensors. Loading picks the class from
+``architectures``. The folder is written
 to a temporary sibling and renamed into place, so a reader never sees a half-written export.
 
 ``config.json`` also holds, under ``dflash_trainer``, the signature of the target the drafter
@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,18 +44,16 @@ from dflash_trainer.core.errors import CheckpointError, ConfigError
 from dflash_trainer.core.fsutil import save_safetensors, write_dir_atomically
 from dflash_trainer.core.inputs import check_input
 from dflash_trainer.model import modeling
-from dflash_trainer.model.drafter import (ARCHITECTURES, SIGNATURE_KEY, check_compatible, drafter_class,
-                                          drafter_variant, text_config)
+from dflash_trainer.model.drafter import SIGNATURE_KEY, check_compatible, text_config
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
+from dflash_trainer.model.variants import Variant, architectures, drafter_class, get_variant, titles, variant_of
 
 __all__ = ["check_export_destination", "check_fits_target", "check_variant", "export_config", "export_drafter",
            "load_checkpoint_drafter", "load_drafter", "main"]
 
 MODELING_FILE = Path(modeling.__file__).parent / "dflash.py"
-MODELING_FILES = {"dflash": (MODELING_FILE,), "dflash2": (MODELING_FILE, MODELING_FILE.with_name("dflash2.py"))}
-"""The modeling files an export of each variant ships (its class's file last)."""
+"""The backbone's modeling file, which every export ships (a variant's own file imports it)."""
 _WEIGHT_NAMES = ("fc.weight", "hidden_norm.weight", "norm.weight")
-_NAMES = {"dflash": "DFlash", "dflash2": "DFlash2"}
 
 
 def export_config(model: DFlashDraftModel, *, num_target_layers: int, dtype: torch.dtype) -> dict[str, Any]:
@@ -68,19 +67,14 @@ def export_config(model: DFlashDraftModel, *, num_target_layers: int, dtype: tor
     scaling = None if rope["rope_type"] == "default" else {k: v for k, v in rope.items() if k != "rope_theta"}
     dtype_name = str(dtype).removeprefix("torch.")
     signature = getattr(c, SIGNATURE_KEY, None)
-    variant = drafter_variant(c)
-    architecture = ARCHITECTURES[variant]
+    variant = variant_of(c)
     section = {"mask_token_id": model.mask_token_id, "target_layer_ids": list(model.target_layer_ids),
-               "block_size": model.block_size}
-    if variant == "dflash2":
-        conv, selector = model.layers[0].attention_conv, model.candidate_selector
-        section.update(conv_kernel_size=conv.kernel_size, conv_group_size=conv.group_size,
-                       selector_rank=selector.predecessor_codebook.shape[1], selector_top_k=selector.top_k)
+               "block_size": model.block_size, **variant.export_section(model)}
     return {
-        "architectures": [architecture],
-        "auto_map": {"AutoModel": f"{MODELING_FILES[variant][-1].stem}.{architecture}"},
+        "architectures": [variant.architecture],
+        "auto_map": {"AutoModel": f"{variant.modeling_paths()[-1].stem}.{variant.architecture}"},
         "model_type": "qwen3",
-        **({"is_causal": False} if variant == "dflash2" else {}),
+        **variant.config_fields(),
         "block_size": model.block_size,
         "num_target_layers": num_target_layers,
         "dflash_config": section,
@@ -118,8 +112,8 @@ def export_config(model: DFlashDraftModel, *, num_target_layers: int, dtype: tor
 
 def _draft_weights(model: DFlashDraftModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     state = model.state_dict()
-    selector = "candidate_selector." if drafter_variant(model.config) == "dflash2" else "layers."
-    unexpected = [k for k in state if not (k.startswith(("layers.", selector)) or k in _WEIGHT_NAMES)]
+    prefixes = ("layers.", *variant_of(model.config).export_prefixes)
+    unexpected = [k for k in state if not (k.startswith(prefixes) or k in _WEIGHT_NAMES)]
     missing = [k for k in _WEIGHT_NAMES if k not in state]
     if unexpected or missing:
         raise ValueError(f"drafter state does not match the z-lab format: unexpected {unexpected}, "
@@ -149,7 +143,7 @@ def export_drafter(model: DFlashDraftModel, out_dir: str | Path, *, target_confi
     def write(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_safetensors(weights, tmp / "model.safetensors", metadata={"format": "pt"})
-        for source in MODELING_FILES[drafter_variant(model.config)]:
+        for source in variant_of(model.config).modeling_paths():
             shutil.copyfile(source, tmp / source.name)
 
     write_dir_atomically(out, write, replace=True)
@@ -183,7 +177,7 @@ def _is_export(path: Path) -> bool:
     except (OSError, ValueError, RecursionError):
         return False
     names = config.get("architectures") if isinstance(config, dict) else None
-    return isinstance(names, list) and any(name in names for name in ARCHITECTURES.values())
+    return isinstance(names, list) and any(name in names for name in architectures())
 
 
 def _weight_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -224,27 +218,35 @@ def check_drafter_folder(path: str | Path) -> None:
                               "by export, or export the checkpoint again")
 
 
-def check_variant(config: PretrainedConfig, expected: str, *, where: str, fix: str) -> None:
-    """Refuse (:class:`CheckpointError`, one line) a drafter whose variant (``dflash`` or
-    ``dflash2``, by its ``architectures``) is not ``expected``; ``where`` names the folder or
-    flag, ``fix`` says what to do."""
-    found = drafter_variant(config)
-    if found != expected:
-        raise CheckpointError(f"{where} holds a {_NAMES[found]} drafter (architectures {ARCHITECTURES[found]}), "
-                              f"but a {_NAMES[expected]} one ({ARCHITECTURES[expected]}) is expected here; {fix}")
+Fix = str | Callable[[Variant], str]
+"""What to do about a drafter of the wrong variant: a text, or one made from the variant found."""
+
+
+def check_variant(config: PretrainedConfig, expected: str | Sequence[str], *, where: str, fix: Fix) -> None:
+    """Refuse (:class:`CheckpointError`, one line) a drafter whose variant (by its
+    ``architectures``) is not ``expected`` (a ``model.variant`` name, or several); ``where``
+    names the folder or flag, ``fix`` says what to do."""
+    names = [expected] if isinstance(expected, str) else list(expected)
+    found = variant_of(config)
+    if found.name not in names:
+        wanted = " or ".join(get_variant(name).architecture for name in names)
+        raise CheckpointError(f"{where} holds a {found.title} drafter (architectures {found.architecture}), "
+                              f"but a {titles(names)} one ({wanted}) is expected here; "
+                              f"{fix(found) if callable(fix) else fix}")
 
 
 def load_drafter(path: str | Path, *, dtype: torch.dtype = torch.float32,
-                 variant: str | None = None, fix: str = "") -> DFlashDraftModel:
+                 variant: str | Sequence[str] | None = None, fix: Fix = "") -> DFlashDraftModel:
     """Load an exported drafter folder with the in-project class of its variant (a
-    :class:`DFlashDraftModel` or its subclass ``DFlash2DraftModel``); every weight must be
-    present and match ``config.json`` (checked first: :func:`check_drafter_folder`). With
-    ``variant``, a drafter of the other variant is refused (:func:`check_variant`, ``fix``
-    saying what to do)."""
+    :class:`DFlashDraftModel` or a subclass); every weight must be present and match
+    ``config.json`` (checked first: :func:`check_drafter_folder`). With ``variant`` (a name or
+    several), a drafter of another variant is refused (:func:`check_variant`, ``fix`` saying
+    what to do)."""
     check_drafter_folder(path)
     config = read_drafter_config(path)
     if variant is not None:
-        check_variant(config, variant, where=str(path), fix=fix or f"give a {_NAMES[variant]} export")
+        names = [variant] if isinstance(variant, str) else list(variant)
+        check_variant(config, names, where=str(path), fix=fix or f"give a {titles(names)} export")
     try:
         model, info = drafter_class(config).from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa",
                                           output_loading_info=True)
@@ -279,8 +281,8 @@ def read_drafter_config(path: str | Path) -> PretrainedConfig:
                               "restore the config.json written by export") from exc
 
 
-def load_checkpoint_drafter(path: str | Path, *, dtype: torch.dtype = torch.float32, variant: str | None = None,
-                            fix: str = "") -> DFlashDraftModel:
+def load_checkpoint_drafter(path: str | Path, *, dtype: torch.dtype = torch.float32,
+                            variant: str | Sequence[str] | None = None, fix: Fix = "") -> DFlashDraftModel:
     """A drafter from a training checkpoint ``step-N/`` or its ``drafter/`` folder (every file
     of the checkpoint checked against its manifest first) or from an exported drafter folder;
     ``variant`` and ``fix`` as in :func:`load_drafter`."""
@@ -315,7 +317,7 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     model = load_checkpoint_drafter(checkpoint)
     out = export_drafter(model, out)
     num_params = sum(p.numel() for p in model.parameters())
-    print(f"exported drafter ({_NAMES[drafter_variant(model.config)]}, {num_params / 1e6:.1f}M parameters, "
+    print(f"exported drafter ({variant_of(model.config).title}, {num_params / 1e6:.1f}M parameters, "
           f"block {model.block_size}, "
           f"target layers {model.target_layer_ids}, mask id {model.mask_token_id}) to {out}")
     return 0

@@ -21,6 +21,17 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], cfg: TrainingConfig) -
                              weight_decay=cfg.weight_decay, fused=True)
 
 
+def step_unless(optimizer: torch.optim.Optimizer, bad: torch.Tensor) -> None:
+    """``optimizer.step()``, skipped on the device where the 0-d bool ``bad`` is true.
+
+    The fused AdamW of :func:`build_optimizer` reads ``found_inf`` (the attribute
+    ``torch.amp.GradScaler`` sets) and leaves parameters, moments and step counts as they
+    were, so a non-finite step is skipped with no host sync.
+    """
+    optimizer.found_inf = bad.to(torch.float32)  # type: ignore[attr-defined]
+    optimizer.step()
+
+
 def lr_at(step: int, *, total_steps: int, cfg: TrainingConfig) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup, then decay to min_lr."""
     if cfg.warmup_steps is not None:

@@ -1,2 +1,2 @@
-"""Standalone modeling files shipped next to exported drafters (``dflash.py``; DFlash2 exports
-also ship ``dflash2.py``, which imports its sibling ``dflash.py``)."""
+"""Standalone modeling files shipped next to exported drafters: ``dflash.py``, and a variant's
+own file, which imports its sibling ``dflash.py`` (:mod:`dflash_trainer.model.variants`)."""

@@ -270,7 +270,7 @@ class DFlashDraftModel(PreTrainedModel):
     _no_split_modules = ["DFlashDecoderLayer"]
     _supports_sdpa = True
     layer_class: type[nn.Module] = DFlashDecoderLayer
-    """The decoder layer; a variant (DFlash2) wraps its sublayers differently."""
+    """The decoder layer; a variant may wrap its sublayers differently."""
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)

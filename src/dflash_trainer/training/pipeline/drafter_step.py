@@ -17,14 +17,9 @@ from dflash_trainer.config import TrainingConfig
 from dflash_trainer.core.distributed import (
     CollectiveTimer, DistInfo, all_reduce_sum, gradient_sync, replicated_value)
 from dflash_trainer.model.batch import Batch, StepInput
-from dflash_trainer.model.loss import LossSums
-from dflash_trainer.training.optim import LRSchedule
+from dflash_trainer.model.loss import BACKBONE_METRICS, LossSums, MetricSpec
+from dflash_trainer.training.optim import LRSchedule, step_unless
 from dflash_trainer.training.pipeline.metrics import Max, MeanSpread, Metric, Ratio, Sum
-
-# Window sums on the device, named as the LossSums fields they add up.
-_LOSS_SUMS = ("loss", "weight", "correct", "count", "accepted", "blocks")
-# The same for a DFlash2 drafter's candidate selector (None for DFlash).
-_SELECTOR_SUMS = ("selector_loss", "in_top_k", "path_accepted")
 
 
 class NonFiniteError(RuntimeError):
@@ -65,22 +60,21 @@ class DrafterStep:
         slots = cfg.loss_slots or block_size - 1
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, device=self.device, dtype=torch.float64)
-        self._sums = {name: zeros() for name in (*_LOSS_SUMS, *_SELECTOR_SUMS, "grad_norm", "skipped")}
-        self._slot_correct = zeros(slots)
-        self._slot_count = zeros(slots)
-        self._path_correct = zeros(slots)
-        self._has_selector = False
+        # Window sums of the objective, by the names LossSums gives them: the backbone's from
+        # the start, a variant's from the first micro-batch that reports them.
+        self._sums = {name: zeros(*shape) for name, shape in LossSums.backbone_shapes(slots).items()}
+        self._metric_specs: tuple[MetricSpec, ...] = BACKBONE_METRICS
+        # Window sums of the optimizer step.
+        self._step_sums = {name: zeros() for name in ("grad_norm", "grad_norm_max", "skipped")}
         self._tokens = 0
         self._samples = 0
         # (weighted loss sum, weight sum) since the last checkpoint, for "best" checkpoints.
         self._since_checkpoint = zeros(2)
-        self._grad_norm_max = zeros()
         self._consecutive_bad = torch.zeros((), device=self.device, dtype=torch.int64)
         self._window_steps = 0
         self._window_start = time.perf_counter()
         self._step_time = 0.0
         self._wait_time = 0.0
-        self._found_inf = torch.zeros((), device=self.device, dtype=torch.float32)
         self._weight_reduce = CollectiveTimer(self.device)
         self._check_every = max(1, min(cfg.max_nonfinite_steps, 10))
 
@@ -130,38 +124,37 @@ class DrafterStep:
             loss = torch.where(finite, loss, 0)
             weight = torch.where(finite, sums.weight.double(), 0)
             self._since_checkpoint += torch.stack((loss, weight))
-            self._sums["loss"] += loss
-            self._sums["weight"] += weight
-            for name in _LOSS_SUMS[2:]:
-                self._sums[name] += getattr(sums, name).double()
-            self._slot_correct += sums.correct_per_slot.double()
-            self._slot_count += sums.count_per_slot.double()
-            if sums.selector_loss is not None:
-                self._has_selector = True
-                selector_loss = sums.selector_loss.detach().double()
-                self._sums["selector_loss"] += torch.where(torch.isfinite(selector_loss), selector_loss, 0)
-                self._sums["in_top_k"] += sums.in_top_k.double()
-                self._sums["path_accepted"] += sums.path_accepted.double()
-                self._path_correct += sums.path_correct_per_slot.double()
+            self._add("loss", loss)
+            self._add("weight", weight)
+            for name, term in sums.terms.items():
+                term = term.detach().double()
+                self._add(name, torch.where(torch.isfinite(term), term, 0))
+            for name, count in sums.count_sums().items():
+                self._add(name, count.double())
+            self._metric_specs = sums.metrics
         self._tokens += batch.num_tokens
         self._samples += batch.seq_lens.numel()
+
+    def _add(self, name: str, value: torch.Tensor) -> None:
+        window = self._sums.get(name)
+        if window is None:
+            self._sums[name] = value.clone()
+        else:
+            window += value
 
     def _optimizer_step(self) -> None:
         grad_norm = replicated_value(torch.nn.utils.clip_grad_norm_(
             self.parameters, self.cfg.grad_clip, foreach=True))
         bad = ~torch.isfinite(grad_norm)
-        # Skipped on the device by the fused optimizer; parameters and moments stay as they were.
-        self._found_inf.copy_(bad.float())
-        self.optimizer.found_inf = self._found_inf
-        self.optimizer.step()
+        step_unless(self.optimizer, bad)
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.step()
         with torch.no_grad():
             good = ~bad
-            self._sums["grad_norm"] += torch.where(good, grad_norm, 0).double()
-            self._grad_norm_max.copy_(torch.maximum(
-                self._grad_norm_max, torch.where(good, grad_norm, 0).double()))
-            self._sums["skipped"] += bad.double()
+            self._step_sums["grad_norm"] += torch.where(good, grad_norm, 0).double()
+            self._step_sums["grad_norm_max"].copy_(torch.maximum(
+                self._step_sums["grad_norm_max"], torch.where(good, grad_norm, 0).double()))
+            self._step_sums["skipped"] += bad.double()
             self._consecutive_bad.copy_((self._consecutive_bad + 1) * bad.long())
         self.optimizer_step += 1
         self._window_steps += 1
@@ -197,24 +190,15 @@ class DrafterStep:
         """
         now = time.perf_counter()
         window = max(now - self._window_start, 1e-9)
-        packed = torch.cat([torch.stack([self._sums[k] for k in self._sums]),
-                            self._grad_norm_max[None], self._slot_correct,
-                            self._slot_count, self._path_correct]).tolist()
-        sums = dict(zip(self._sums, packed))
-        grad_norm_max = packed[len(sums)]
-        slots = len(self._slot_correct)
-        slot_correct = packed[len(sums) + 1:len(sums) + 1 + slots]
-        slot_count = packed[len(sums) + 1 + slots:len(sums) + 1 + 2 * slots]
-        path_correct = packed[len(sums) + 1 + 2 * slots:]
+        sums, step_sums = _to_host(self._sums, self._step_sums)
         steps = max(self._window_steps, 1)
-        good_steps = max(self._window_steps - sums["skipped"], 1)
-        self.total_skipped += int(sums["skipped"])
-        metrics: dict[str, Metric] = {
-            "train/loss": Ratio(sums["loss"], sums["weight"]),
-            "train/acc": Ratio(sums["correct"], sums["count"]),
-            "train/tau_sim": Ratio(sums["accepted"], sums["blocks"]),
-            "train/grad_norm": sums["grad_norm"] / good_steps,
-            "train/grad_norm_max": Max(grad_norm_max),
+        skipped = step_sums["skipped"]
+        good_steps = max(self._window_steps - skipped, 1)
+        self.total_skipped += int(skipped)
+        metrics: dict[str, Metric] = _ratios(self._metric_specs, sums)
+        metrics |= {
+            "train/grad_norm": step_sums["grad_norm"] / good_steps,
+            "train/grad_norm_max": Max(step_sums["grad_norm_max"]),
             "train/lr": self.schedule.lr,
             "train/skipped_nonfinite": float(self.total_skipped),
             "train/step": float(self.optimizer_step),
@@ -223,14 +207,6 @@ class DrafterStep:
             "perf/step_time_s": MeanSpread(self._step_time / steps, "perf/step_time_spread_s"),
             "perf/data_wait_frac": self._wait_time / window,
         }
-        for k, (c, n) in enumerate(zip(slot_correct, slot_count), start=1):
-            metrics[f"train/acc_pos/{k}"] = Ratio(c, n)
-        if self._has_selector:
-            metrics["train/selector_loss"] = Ratio(sums["selector_loss"], sums["weight"])
-            metrics["train/candidate_recall"] = Ratio(sums["in_top_k"], sums["count"])
-            metrics["train/tau_sim_selector"] = Ratio(sums["path_accepted"], sums["blocks"])
-            for k, (c, n) in enumerate(zip(path_correct, slot_count), start=1):
-                metrics[f"train/acc_sel_pos/{k}"] = Ratio(c, n)
         if self.dist.enabled:
             metrics["perf/allreduce_wait_s"] = self._weight_reduce.collect() / steps
         if self.flops_fn is not None:
@@ -241,12 +217,8 @@ class DrafterStep:
         return metrics
 
     def _reset_window(self, now: float) -> None:
-        for value in self._sums.values():
+        for value in (*self._sums.values(), *self._step_sums.values()):
             value.zero_()
-        self._slot_correct.zero_()
-        self._slot_count.zero_()
-        self._path_correct.zero_()
-        self._grad_norm_max.zero_()
         self._tokens = 0
         self._samples = 0
         self._flops = 0.0
@@ -274,3 +246,27 @@ class DrafterStep:
         self.total_skipped = int(state["total_skipped"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
+
+
+def _to_host(*windows: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    """Each window's sums as floats (a 0-d sum) or lists of floats (one per block slot), with
+    one host sync for them all."""
+    values = iter(torch.cat([t.reshape(-1) for w in windows for t in w.values()]).tolist())
+    return [{name: next(values) if t.dim() == 0 else [next(values) for _ in range(t.numel())]
+             for name, t in w.items()} for w in windows]
+
+
+def _ratios(specs: tuple[MetricSpec, ...], sums: dict[str, Any]) -> dict[str, Metric]:
+    """The metrics ``specs`` declares over the window ``sums``: ``name`` for a sum of one value,
+    ``name/k`` for the k-th block slot of a per-slot sum."""
+    metrics: dict[str, Metric] = {}
+    for spec in specs:
+        numerator, denominator = sums.get(spec.numerator), sums.get(spec.denominator)
+        if numerator is None or denominator is None:
+            continue  # a variant's sums before its first micro-batch
+        if not isinstance(numerator, list):
+            metrics[spec.name] = Ratio(numerator, denominator)
+        else:
+            for k, (num, den) in enumerate(zip(numerator, denominator), start=1):
+                metrics[f"{spec.name}/{k}"] = Ratio(num, den)
+    return metrics
