@@ -25,9 +25,9 @@ class EngineMetrics:
     def get_metrics(self) -> dict[str, Metric]:
         """The window since the previous call."""
         w = self.client.take_window()
-        p = f"pipe/{self.name}"
-        return {f"{p}/requests": Sum(float(w.requests)), f"{p}/tokens": Sum(float(w.tokens)),
-                f"{p}/tokens_per_s": Ratio(float(w.tokens), w.seconds),
-                f"{p}/request_s": Ratio(w.request_s, float(w.requests)),
-                f"{p}/inflight": Max(float(w.inflight)),
-                f"{p}/exchange_mb": Max(w.exchange_bytes / 1e6)}
+        return {f"pipe/{self.name}/requests": Sum(float(w.requests)),
+                f"pipe/{self.name}/tokens": Sum(float(w.tokens)),
+                f"pipe/{self.name}/tokens_per_s": Ratio(float(w.tokens), w.seconds),
+                f"pipe/{self.name}/request_s": Ratio(w.request_s, float(w.requests)),
+                f"pipe/{self.name}/inflight": Max(float(w.inflight)),
+                f"pipe/{self.name}/exchange_mb": Max(w.exchange_bytes / 1e6)}
