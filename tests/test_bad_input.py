@@ -808,7 +808,32 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+SLOW_CASES = {
+    "train: resume a DFlash run's checkpoint as DFlash2",
+    "train: resume after a one-byte edit that kept size and mtime",
+    "train: resume after the data file was edited in place", "train: resume on a target whose tokenizer changed",
+    "train: resume with another data order", "train: resume with another model", "train: missing checkpoint shard",
+    "train: missing rank file", "train: corrupt checkpoint shard", "train: bad JSON line",
+    "train: a target whose embedding is smaller than its tokenizer", "train: target's last layer",
+    "eval: drafter for another vocabulary", "eval: drafter for another chat template",
+    "eval: drafter for another target",
+    "generate: drafter for another vocabulary", "prepare: a JSON array element nested 100,000 levels deep",
+    "prepare: a JSON line nested 100,000 levels deep", "prepare: every assistant answer empty",
+    "empty .json file", "empty .jsonl file", "tool-use conversation", "every sample too long (drop)",
+    "train: missing data path", "train: mask id out of range", "train: a BERT folder as target",
+    "train: drafter heads do not divide the KV heads", "train: conv group size does not divide the hidden size",
+    "train: no sample left", "train: resume=auto over damaged checkpoints only",
+    "train: a latest pointer naming a path outside", "train: a latest pointer of binary garbage",
+    "train: a DFlash2 export to warm-start a DFlash drafter", "train: target layer out of range",
+    "eval: truncated drafter weights", "train: corrupted checkpoint to resume", "prepare: data.cache_dir is a file",
+}
+"""Cases of over half a second on 2 busy cores (a training run, a target or drafter load, a deep
+parse): `make test` runs them, `make test-fast` leaves them out."""
+assert SLOW_CASES <= {c.name for c in CASES}, SLOW_CASES - {c.name for c in CASES}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.name in SLOW_CASES else [])
+                                  for c in CASES])
 def test_bad_input_gives_one_line_and_its_exit_code(case: Case, target: Path, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     argv = case.argv(target, tmp_path)
@@ -833,6 +858,7 @@ def test_debug_shows_the_traceback_of_a_user_error(target: Path, tmp_path: Path,
     assert "Traceback" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_prints_the_counts_its_messages_point_to(target: Path, tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     data = _write(tmp_path / "chat.jsonl", jsonl([chat(i) for i in range(6)]) + b"{oops\n")
@@ -849,6 +875,7 @@ def test_train_prints_the_counts_its_messages_point_to(target: Path, tmp_path: P
 
 # --- data is read, not lost --------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_bom_and_invalid_utf8_under_skip_are_read_and_counted(
         target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     good = [chat(i) for i in range(4)]
@@ -865,6 +892,7 @@ def test_bom_and_invalid_utf8_under_skip_are_read_and_counted(
     assert "data: 11 records read (+0 held out), 9 kept, 2 dropped (malformed 2)" in out
 
 
+@pytest.mark.slow
 def test_a_data_path_with_a_comma_is_one_path(target: Path, tmp_path: Path) -> None:
     data = make_chat_jsonl(tmp_path / "a,b.jsonl", num=4)
     assert cli_main(["prepare", *data_args(target, tmp_path, data)]) == 0
@@ -880,6 +908,7 @@ def test_a_file_whose_records_all_drop_is_an_error_even_beside_good_ones(
         in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_heldout_split_within_its_share_is_accepted(target: Path, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     data = make_chat_jsonl(tmp_path / "small.jsonl", num=40)
@@ -914,6 +943,7 @@ def test_a_full_or_read_only_disk_is_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+@pytest.mark.slow
 def test_a_disk_error_while_closing_after_a_failure_is_one_line(
         target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         caplog: pytest.LogCaptureFixture) -> None:
@@ -1028,6 +1058,7 @@ def test_malformed_bodies_are_retried(server: BadServer, tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("server", [(["null", "empty"],)], indirect=True)
+@pytest.mark.slow
 def test_null_and_empty_answers_are_failures_unless_allowed(server: BadServer,
                                                             tmp_path: Path) -> None:
     two = [*ONE, ("c2", [{"role": "user", "content": "hey"}])]
@@ -1042,6 +1073,7 @@ def test_null_and_empty_answers_are_failures_unless_allowed(server: BadServer,
 
 
 @pytest.mark.parametrize("server", [(["hang", "hang"], 1.5)], indirect=True)
+@pytest.mark.slow
 def test_a_hung_server_times_out_and_progress_keeps_printing(
         server: BadServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     started = time.monotonic()
@@ -1079,6 +1111,7 @@ ATTEMPTS = 6
 @pytest.mark.parametrize("server", [(["500"] * ATTEMPTS + ["garbage"] * ATTEMPTS + ["no-choices"] * ATTEMPTS
                                      + ["null"] + ["reset"] * ATTEMPTS + ["hang"] * ATTEMPTS, 1.0)],
                          indirect=True)
+@pytest.mark.slow
 def test_regenerate_names_the_cause_of_each_failure(server: BadServer, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str],
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1162,6 +1195,7 @@ def _prepare_as_unprivileged(data: Path, cache: Path) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("layout", ["file", "folder", "file in a folder"])
+@pytest.mark.slow
 def test_an_unreadable_input_is_cannot_read_with_its_path(layout: str, tmp_path: Path) -> None:
     folder = tmp_path / "data"
     folder.mkdir()
@@ -1220,6 +1254,7 @@ def test_a_latest_pointer_in_another_encoding_falls_back_to_the_step_folders(
     assert "latest: it should name a step-N folder, but holds b'\\xff\\xfes\\x00t" in caplog.text
 
 
+@pytest.mark.slow
 def test_a_one_byte_edit_that_keeps_size_and_mtime_builds_a_new_token_store(
         target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = _write(tmp_path / "chat.jsonl", jsonl([chat(i) for i in range(4)]))

@@ -115,6 +115,7 @@ def test_cli_takes_options_and_overrides_in_any_order(monkeypatch):
     assert seen["args"].run == "runs/x" and seen["cfg"].logging.console is False
 
 
+@pytest.mark.slow
 def test_console_script_reads_an_override_after_an_option():
     """Through the installed ``dflash-trainer``: the override after ``--resume`` reaches the
     config (its range error, not argparse's "unrecognized arguments"); an unknown option after

@@ -186,6 +186,7 @@ def test_huge_is_accepted_where_it_means_something():
 
 @SETTINGS
 @given(st.sampled_from(NUMERIC), st.data())
+@pytest.mark.slow
 def test_just_outside_a_bound_is_refused(key, data):
     rng = OPTIONS[key][1]
     value = data.draw(st.sampled_from(_just_outside(rng, _is_int(key))))
@@ -196,6 +197,7 @@ def test_just_outside_a_bound_is_refused(key, data):
 
 @SETTINGS
 @given(st.sampled_from(NUMERIC), st.data())
+@pytest.mark.slow
 def test_in_range_option_is_accepted_as_given(key, data):
     rng = OPTIONS[key][1]
     values = _in_range(rng, _is_int(key))
@@ -241,6 +243,7 @@ def test_empty_text_option_is_refused(key, text):
 
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(bad_option())
+@pytest.mark.slow
 def test_out_of_range_option_through_the_cli_is_one_line_and_exit_2(bad):
     key, _, text = bad
     override, named = _as_override(key, text, 0)
@@ -290,6 +293,7 @@ def test_out_of_range_flag_is_one_config_error_line_naming_it(command: str, flag
 
 @SETTINGS
 @given(st.sampled_from(RANGED_FLAGS), st.data())
+@pytest.mark.slow
 def test_in_range_flag_is_accepted_as_given(command_flag, data):
     command, flag = command_flag
     spec = _flag_spec(command, flag)

@@ -200,6 +200,7 @@ def _pair(target: torch.nn.Module) -> tuple[DFlashDraftModel, DFlash2DraftModel]
     return dflash, dflash2
 
 
+@pytest.mark.slow
 def test_an_untrained_dflash2_drafter_drafts_what_its_dflash_backbone_drafts(tiny_target) -> None:
     dflash, dflash2 = _pair(tiny_target)
     assert dflash2.candidate_selector.successor_codebook.abs().sum() == 0
@@ -227,6 +228,7 @@ def test_sampling_decodes_through_the_selector(tiny_target) -> None:
     assert ((probs > 0).sum(-1) <= 16).all() and all(float(probs[0, t, d]) > 0 for t, d in enumerate(drafts))
 
 
+@pytest.mark.slow
 def test_eval_and_generate_decode_a_dflash2_export(tiny_folder, tiny_target, tmp_path, capsys) -> None:
     _, dflash2 = _pair(tiny_target)
     folder = export.export_drafter(randomised(dflash2), tmp_path / "d2", target_config=tiny_target.config,

@@ -174,6 +174,7 @@ def test_objective_adds_the_weighted_selector_loss_and_reports_its_metrics(weigh
     assert not sums.terms and not sums.counts and sums.objective() is sums.loss
 
 
+@pytest.mark.slow
 def test_a_dflash2_run_logs_the_selector_reports_it_exports_dflash2_and_resumes(tmp_path) -> None:
     import json
 

@@ -215,6 +215,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Pa
     return target, export_drafter(drafter, folder / "export", dtype=torch.float32)
 
 
+@pytest.mark.slow
 def test_project_decoding_equals_the_reference_prompt_by_prompt(setup) -> None:
     from dflash_trainer.training.export import load_drafter
     from dflash_trainer.evaluation.spec_decode import speculative_generate, target_generate

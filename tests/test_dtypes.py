@@ -99,6 +99,7 @@ def tiny_setup(tmp_path_factory) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("choice", ["bfloat16", "float32"])
+@pytest.mark.slow
 def test_trainer_honours_the_cached_choice(tiny_setup, tmp_path: Path, monkeypatch, choice: str):
     from dflash_trainer.training.trainer import Trainer
 

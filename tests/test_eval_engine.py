@@ -105,6 +105,7 @@ def _requests() -> compare.EngineRequests:
                                   prompt_ids=[[1, 2, 3]] * 4, domains=DOMAINS)
 
 
+@pytest.mark.slow
 def test_engine_rows_sit_beside_the_projects_per_domain(tmp_path: Path):
     report = _report()
     sections = {"llama.cpp": compare.llama_cpp_section(_llama_cpp_result(tmp_path), DOMAINS),
@@ -182,6 +183,7 @@ def test_later_turns_reach_the_engines_after_the_projects_answer():
     assert tokenizer.decode(out.prompt_ids[1]).count("answer one") == 1
 
 
+@pytest.mark.slow
 def test_an_engine_that_is_not_installed_is_one_line_and_the_project_results_stay(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     target = make_tiny_target(tmp_path / "target", layers=3)

@@ -41,6 +41,7 @@ def drafter(target: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # --- the prompt sets, from the installed packages ---------------------------------------------
 
+@pytest.mark.slow
 def test_each_domain_reads_its_package_data():
     mtbench, humaneval, math = mtbench_prompts(), humaneval_prompts(), math_prompts()
     assert len(mtbench) == 80 and all(len(p.turns) == 2 for p in mtbench)
@@ -55,6 +56,7 @@ def test_each_domain_reads_its_package_data():
     assert load_prompts(load_config(None, ["eval.prompts=humaneval", "eval.num_prompts=3"]))[2].id == "HumanEval/2"
 
 
+@pytest.mark.slow
 def test_the_suite_spreads_first_turns_over_each_set():
     items = [EvalPrompt(id=str(i), turns=["t"]) for i in range(10)]
     assert [p.id for p in spread(items, 3)] == ["0", "3", "6"]
@@ -92,6 +94,7 @@ def test_an_unknown_prompt_set_lists_the_valid_ones():
     assert list(PROMPT_SETS) == ["mtbench", "humaneval", "math", "sharegpt-heldout"]
 
 
+@pytest.mark.slow
 def test_an_unknown_domain_on_the_command_line_is_one_line(target: Path, drafter: Path, tmp_path: Path, capsys):
     code = cli_main(["eval", "--suite", "--drafter", str(drafter), f"model.target={target}",
                      "eval.suite=[mtbench,gsm8k]", f"run_dir={tmp_path / 'run'}"])
@@ -109,6 +112,7 @@ def test_an_unknown_domain_on_the_command_line_is_one_line(target: Path, drafter
 
 # --- one evaluation across the domains --------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_suite_reports_tau_per_domain_end_to_end(target: Path, drafter: Path, tmp_path: Path, capsys):
     run = tmp_path / "run"
     code = cli_main(["eval", "--suite", "--drafter", str(drafter), f"model.target={target}", f"run_dir={run}",

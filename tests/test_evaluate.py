@@ -153,6 +153,7 @@ def test_oracle_drafter_commits_full_blocks(target, prompt, greedy):
     assert short.tokens == greedy[:1 + 2 * BLOCK - 3]
 
 
+@pytest.mark.slow
 def test_trained_drafter_reaches_block_size_and_stays_lossless(target, prompt, greedy, trained_drafter):
     trained_drafter.train()
     out = spec(trained_drafter, target, prompt, 1 + 4 * BLOCK)
@@ -162,6 +163,7 @@ def test_trained_drafter_reaches_block_size_and_stays_lossless(target, prompt, g
     assert tau >= BLOCK - 1, out.acceptance_lengths
 
 
+@pytest.mark.slow
 def test_random_drafter_tau_near_one_and_lossless(target, prompt, greedy):
     out = spec(fresh_drafter(target), target, prompt, 40)
     assert out.tokens == greedy[:40]
@@ -169,6 +171,7 @@ def test_random_drafter_tau_near_one_and_lossless(target, prompt, greedy):
     assert 1.0 <= tau < 1.3, out.acceptance_lengths
 
 
+@pytest.mark.slow
 def test_exported_drafter_via_automodel_matches_in_project_module(tmp_path, target, prompt, trained_drafter):
     folder = export_drafter(trained_drafter, tmp_path / "drafter", target_config=target.config, dtype=torch.float32)
     loaded, info = AutoModel.from_pretrained(str(folder), trust_remote_code=True, dtype=torch.float32,
@@ -181,6 +184,7 @@ def test_exported_drafter_via_automodel_matches_in_project_module(tmp_path, targ
     assert theirs.acceptance_lengths == ours.acceptance_lengths
 
 
+@pytest.mark.slow
 def test_in_training_eval(target, prompt, greedy, trained_drafter):
     other = torch.randint(0, 120, (1, 11), generator=torch.Generator().manual_seed(5))
     from dflash_trainer.core.assets import load_tokenizer, resolve_target
@@ -343,6 +347,7 @@ def test_report_roundtrip_of_outputs(tmp_path):
     assert png_path.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_acceptance_trace_and_streamed_spans(target, prompt, greedy):
     """An oracle that drafts the greedy continuation with every 5th position wrong: the trace
     names each step's drafts and accepted count, the streamed spans equal the final ones and

@@ -68,6 +68,7 @@ def test_files_config_and_weights(tmp_path):
     assert (out / "dflash.py").read_text() == export.MODELING_FILE.read_text()
 
 
+@pytest.mark.slow
 def test_round_trip_gives_identical_outputs(tmp_path):
     drafter = trained_drafter()
     out = export.export_drafter(drafter, tmp_path / "d", dtype=torch.float32)
@@ -137,6 +138,7 @@ def test_cli_main_from_a_checkpoint_verifies_its_manifest(tmp_path, capsys):
         export.load_checkpoint_drafter(tmp_path)
 
 
+@pytest.mark.slow
 def test_load_reports_missing_weights(tmp_path):
     out = export.export_drafter(trained_drafter(), tmp_path / "d")
     cfg = json.loads((out / "config.json").read_text())
@@ -147,6 +149,7 @@ def test_load_reports_missing_weights(tmp_path):
         export.load_drafter(out)
 
 
+@pytest.mark.slow
 def test_export_command_writes_only_new_or_empty_folders_or_overwrites_on_request(tmp_path, capsys):
     ckpt = _checkpoint(tmp_path, trained_drafter())
 
@@ -170,6 +173,7 @@ def test_export_command_writes_only_new_or_empty_folders_or_overwrites_on_reques
     assert (tmp_path / "a.txt").read_text() == "mine"
 
 
+@pytest.mark.slow
 def test_a_truncated_or_damaged_export_is_refused_by_name(tmp_path):
     out = export.export_drafter(trained_drafter(), tmp_path / "d", dtype=torch.float32)
     weights = out / "model.safetensors"
@@ -186,6 +190,7 @@ def test_a_truncated_or_damaged_export_is_refused_by_name(tmp_path):
         export.read_drafter_config(out)
 
 
+@pytest.mark.slow
 def test_serve_check_refuses_a_drafter_for_another_target_before_any_server(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     import serve_check

@@ -105,6 +105,7 @@ def test_another_process_holding_the_lock_is_named_and_a_killed_one_is_taken_ove
     lock.release()
 
 
+@pytest.mark.slow
 def test_waiting_for_a_holder_that_finishes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = holding(run_dir, tmp_path)
@@ -172,6 +173,7 @@ BUILD = """
 """
 
 
+@pytest.mark.slow
 def test_a_second_builder_waits_and_reads_the_finished_store(tmp_path: Path) -> None:
     path, building = tmp_path / "cache" / "key", tmp_path / "building"
     proc = python(BUILD, str(path), str(building), "1.0")
@@ -188,6 +190,7 @@ def test_a_second_builder_waits_and_reads_the_finished_store(tmp_path: Path) -> 
     assert sorted(p.name for p in path.parent.iterdir()) == ["key"]
 
 
+@pytest.mark.slow
 def test_a_killed_build_leaves_a_folder_that_the_next_build_removes(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path, building = tmp_path / "cache" / "key", tmp_path / "building"
@@ -283,6 +286,7 @@ def _all_threads_stopped(pid: int) -> bool:
     return bool(states) and all(state in ("T", "t") for state in states)
 
 
+@pytest.mark.slow
 def test_a_second_train_on_a_locked_run_folder_is_refused_untouched(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = make_tiny_target(tmp_path / "target", layers=3, hidden=32)

@@ -39,6 +39,7 @@ def _eval(drafter: Path, out: Path, capsys: pytest.CaptureFixture[str]) -> tuple
     return code, json.loads((out / "results.json").read_text()), capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_a_bf16_near_tie_is_numerics_and_exits_0(drafter: Path, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     code, results, out = _eval(drafter, tmp_path / "eval", capsys)
@@ -53,6 +54,7 @@ def test_a_bf16_near_tie_is_numerics_and_exits_0(drafter: Path, tmp_path: Path,
     assert "numerics mtbench-81 turn 1: first difference at generated token" in out
 
 
+@pytest.mark.slow
 def test_an_injected_wrong_acceptance_exits_1(drafter: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The verify's bonus replaced by another token at the first step: the loop commits a token

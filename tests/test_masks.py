@@ -176,6 +176,7 @@ def test_non_bool_dense_masks_are_refused():
 
 @settings(max_examples=25, deadline=None)
 @given(layouts())
+@pytest.mark.slow
 def test_blockwise_attention_equals_the_dense_mask_forward_and_backward(layout):
     anchors, keep, context_len = (torch.tensor(layout[0]), torch.tensor(layout[1]), layout[2])
     drafter = make_drafter()
@@ -200,6 +201,7 @@ def test_blockwise_attention_equals_the_dense_mask_forward_and_backward(layout):
 
 @settings(max_examples=25, deadline=None)
 @given(layouts(), st.integers(1, BLOCK - 1), st.sampled_from(["dense", "blockwise"]))
+@pytest.mark.slow
 def test_output_slots_equal_the_same_rows_of_the_full_forward_and_backward(layout, slots, kind):
     """``output_slots=K`` (the last layer computes slots 1..K only) changes nothing for those
     rows: outputs and every parameter gradient equal the full forward's, two layers deep."""

@@ -53,6 +53,7 @@ def _cfg(tmp_path, path, *extra):
                               "data.min_supervised_tokens=32", *extra])
 
 
+@pytest.mark.slow
 def test_build_counts_every_drop_reason_and_stores_the_samples(tmp_path, data, smol):
     cfg = _cfg(tmp_path, data)
     store, stats = build_dataset(cfg, tokenizer=smol, log=None)
@@ -104,6 +105,7 @@ def test_empty_answers_are_dropped_or_left_unsupervised_and_counted(tmp_path, sm
     assert "empty answers unsupervised     1" in report
 
 
+@pytest.mark.slow
 def test_unchanged_input_reuses_the_store_without_tokenizing(tmp_path, data, smol, monkeypatch):
     cfg = _cfg(tmp_path, data)
     first, _ = build_dataset(cfg, tokenizer=smol, log=None)
@@ -175,6 +177,7 @@ def test_truncated_user_json_array_is_reported(tmp_path, smol):
     assert "truncated at its end: 2 complete records recovered" in format_report(stats, store, 200)
 
 
+@pytest.mark.slow
 def test_cli_prepare_end_to_end_on_the_embedded_sharegpt(tmp_path, capsys):
     args = ["prepare", "--config", "configs/demo-cpu.yaml", "data.max_samples=40",
             "data.heldout_samples=4", f"data.cache_dir={tmp_path}"]

@@ -188,6 +188,7 @@ def test_transformers_backend_regenerates_every_turn(
     assert resolve_sampling(read_generation_config(path), max_new_tokens=4).temperature == 1.0
 
 
+@pytest.mark.slow
 def test_thinking_switch_reaches_the_chat_template(smollm2: tuple[Path, Any, Any]) -> None:
     import copy
 
@@ -238,6 +239,7 @@ def test_resume_after_crash_writes_each_conversation_once(
     assert len(read_jsonl(out)) == 3
 
 
+@pytest.mark.slow
 def test_failures_are_listed_and_retried(local_backend: TransformersBackend,
                                          tmp_path: Path) -> None:
     out = tmp_path / "regen.jsonl"
@@ -440,6 +442,7 @@ def test_cli_writes_messages_jsonl_that_prepare_reads(
     assert "--server-url" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_openai_backend(chat_server: ChatServer, tmp_path: Path) -> None:
     from dflash_trainer.cli.main import main as cli_main
 
@@ -456,6 +459,7 @@ def test_cli_openai_backend(chat_server: ChatServer, tmp_path: Path) -> None:
                and r["model"] == "smollm2" for r in chat_server.requests)
 
 
+@pytest.mark.slow
 def test_regenerate_with_max_turns_counts_the_dropped_turns(local_backend: TransformersBackend,
                                                             tmp_path: Path) -> None:
     out = tmp_path / "first-turns.jsonl"

@@ -191,6 +191,7 @@ def test_first_screen_answers_and_captions(run_dir: Path):
     assert "2 (configured max_run 2, order interleave" in text
 
 
+@pytest.mark.slow
 def test_speedup_shows_its_reliability(run_dir: Path):
     """A speedup the evaluation marked unreliable says so on the first screen and in the
     evaluation table; one from a file without the mark (older runs) says it was not recorded."""
@@ -213,6 +214,7 @@ def test_speedup_shows_its_reliability(run_dir: Path):
     assert "speedup_unreliable_reasons" not in text  # folded into the speedup row
 
 
+@pytest.mark.slow
 def test_bucket_strip_places_every_micro_batch(tmp_path: Path):
     path = tmp_path / "metrics.jsonl"
     lines = [{"step": 2, "train/loss": 3.0, "data/step_buckets": [0, 1]},

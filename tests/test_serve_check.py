@@ -78,6 +78,7 @@ def _group_gone(pgid: int) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_stop_kills_the_whole_process_group(tmp_path):
     # A "server" that ignores SIGTERM and has a child that ignores it too: stop() must escalate.
     script = textwrap.dedent("""\
@@ -108,6 +109,7 @@ def test_wait_ready_reports_an_exited_server_with_its_log(tmp_path):
             server.wait_ready(60)
 
 
+@pytest.mark.slow
 def test_wait_ready_returns_when_health_answers(tmp_path):
     port = vllm_server.free_port()
     script = textwrap.dedent(f"""\
@@ -200,6 +202,7 @@ def test_report_marks_differing_outputs(tmp_path):
 
 # --- --suite: tau per domain per engine -------------------------------------------------------
 
+@pytest.mark.slow
 def test_suite_prompts_are_the_eval_suites_first_turns():
     prompts, domains = serve_check.choose_prompts(serve_check.parse_args(["--suite", "--prompts", "2"]))
     assert domains == ["mtbench"] * 2 + ["humaneval"] * 2 + ["math"] * 2 and len(prompts) == 6

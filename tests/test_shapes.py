@@ -122,6 +122,7 @@ def test_auto_rounds_on_the_flex_path_only():
     assert _objective("always", "sdpa").rounds_shapes(torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_compiled_flex_attention_compiles_a_bounded_number_of_variants_over_a_plan(
         monkeypatch):
     """24 steps of a 6-bucket plan through the objective's FlexAttention path (forward; CPU

@@ -128,6 +128,7 @@ def test_a_baseline_slowed_on_the_first_prompts_is_flagged_as_scatter(target, dr
     assert fields["speedup_reliable"] is False and fields["speedup_unreliable_reasons"] == measured.reasons
 
 
+@pytest.mark.slow
 def test_a_baseline_from_another_moment_is_never_divided_into_a_speedup(target, drafter, prompts):
     """The evaluator is built while the machine is 20x slower; its calls at normal speed give
     the same speedup as an evaluator built at normal speed: every call times its own baseline."""

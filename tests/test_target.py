@@ -238,6 +238,7 @@ def test_a_damaged_tokenizer_is_named(saved_target):
         load_target(str(saved_target), device="cpu", dtype=torch.float32)
 
 
+@pytest.mark.slow
 def test_a_damaged_gguf_target_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
     data = assets.smollm2_gguf().read_bytes()

@@ -149,6 +149,7 @@ def test_truncated_answer_leaves_its_end_of_turn_unsupervised(smol):
     assert plain.cut_answers == 0
 
 
+@pytest.mark.slow
 def test_truncated_answer_with_generation_markers(smol):
     tok = _with_template(smol, QWEN3_LIKE)
     conversation = Conversation([
@@ -246,6 +247,7 @@ def test_last_turn_only_drops_an_empty_last_answer(smol):
 
 
 @pytest.mark.parametrize("template", [QWEN3_NO_MARKERS, QWEN3_LIKE], ids=["prefix", "markers"])
+@pytest.mark.slow
 def test_qwen3_style_thinking_off(smol, template):
     tok = _with_template(smol, template)
     chat = ChatTokenizer(tok, _opts(thinking=False))
@@ -268,6 +270,7 @@ def test_qwen3_style_thinking_on_supervises_the_think_block(smol, template):
     ])
 
 
+@pytest.mark.slow
 def test_qwen3_style_multi_turn_without_markers_is_refused(smol):
     tok = _with_template(smol, QWEN3_NO_MARKERS)
     conversation = _conv(("user", "Hi"), ("assistant", "Hello"), ("user", "Bye"),
@@ -283,6 +286,7 @@ def test_qwen3_style_multi_turn_without_markers_is_refused(smol):
     ])
 
 
+@pytest.mark.slow
 def test_generation_markers_multi_turn_matches_transformers_assistant_mask(smol):
     tok = _with_template(smol, QWEN3_LIKE)
     conversation = _conv(("user", "Hi"), ("assistant", "Hello"), ("user", "Bye"),

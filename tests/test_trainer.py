@@ -52,6 +52,7 @@ def checkpoint_steps(run_dir: Path) -> list[int]:
                   if p.name[5:].isdigit())
 
 
+@pytest.mark.slow
 def test_max_time_s_stops_after_the_first_step_with_a_final_checkpoint(setup, tmp_path):
     trainer, records = run(overrides(setup, tmp_path / "run", "training.max_time_s=1e-6"))
     assert trainer.stopped_by == "max_time_s"
@@ -75,6 +76,7 @@ def test_eval_every_n_steps_keeps_the_best_checkpoint_by_tau(setup, tmp_path):
     assert checkpoint_steps(run_dir) == sorted({best_step, 6})
 
 
+@pytest.mark.slow
 def test_repeated_non_finite_steps_raise(setup, tmp_path):
     # A learning rate this large sends the weights near the float32 limit after one step;
     # every later forward overflows, so every later step is non-finite and skipped.
@@ -91,6 +93,7 @@ def test_repeated_non_finite_steps_raise(setup, tmp_path):
         trainer.close()
 
 
+@pytest.mark.slow
 def test_every_minutes_checkpoints_by_the_clock(setup, tmp_path):
     run_dir = tmp_path / "run"
     # 60 microseconds: every step is past due, with no step-based saving configured.
@@ -116,6 +119,7 @@ def test_grad_accum_steps_once_per_two_micro_batches(setup, tmp_path):
     assert records[-1]["train/tokens_total"] == tokens
 
 
+@pytest.mark.slow
 def test_the_demo_config_trains_with_its_own_settings(setup, tmp_path):
     """configs/demo-cpu.yaml as it is (the target's greedy tokens as labels, two layers, a
     4-token block, loss on slot 1 only, constant LR after a 10-step warmup), on the tiny target
@@ -146,6 +150,7 @@ def test_the_demo_config_trains_with_its_own_settings(setup, tmp_path):
     assert all(0 <= r["train/loss"] < 1e3 for r in train)
 
 
+@pytest.mark.slow
 def test_total_steps_follow_each_epochs_own_plan(setup, tmp_path, monkeypatch):
     real_build = components.EpochPlans.build
 
