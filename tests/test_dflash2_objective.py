@@ -160,7 +160,7 @@ def test_objective_adds_the_weighted_selector_loss_and_reports_its_metrics(weigh
     assert 0 <= int(counts["in_top_k"]) <= int(sums.count) and counts["path_correct_per_slot"].shape == (2,)
     assert int(sums.blocks) <= int(counts["path_accepted"]) <= 3 * int(sums.blocks)
     assert [m.name for m in sums.metrics][-4:] == ["train/selector_loss", "train/candidate_recall",
-                                                    "train/tau_sim_selector", "train/acc_sel_pos"]
+                                                    "train/tau_sim_selector", "train/acc_sel_pos/{k}"]
     sums.objective().backward()
     grads = [p.grad for p in model.candidate_selector.parameters()]
     if weight:

@@ -122,7 +122,7 @@ class _NormTerms(LossTerms):
     top_k = 2
     weights = {"norm_loss": 0.25}
     metrics = (MetricSpec("train/norm_loss", "norm_loss", "weight"),
-               MetricSpec("train/top2_pos", "top2_per_slot", "count_per_slot"))
+               MetricSpec("train/top2_pos/{k}", "top2_per_slot", "count_per_slot"))
 
     def __call__(self, inputs: SlotInputs) -> TermSums:
         assert inputs.candidates is not None and inputs.candidates[1].shape[-1] == 2

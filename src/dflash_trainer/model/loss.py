@@ -129,7 +129,8 @@ class MetricSpec:
     :meth:`LossSums.count_sums` / :attr:`LossSums.terms` (``loss`` and ``weight`` included).
 
     Sums of one value give the metric ``name``; sums with one value per block slot (``[K]``)
-    give ``name/1`` .. ``name/K``.
+    give ``name`` with its ``{k}`` field set to 1 .. K (``train/acc_pos/{k}``: the name in the
+    source is the name in the README's glossary).
     """
 
     name: str
@@ -144,7 +145,7 @@ BACKBONE_METRICS = (
     MetricSpec("train/loss", "loss", "weight"),
     MetricSpec("train/acc", "correct", "count"),
     MetricSpec("train/tau_sim", "accepted", "blocks"),
-    MetricSpec("train/acc_pos", "correct_per_slot", "count_per_slot"),
+    MetricSpec("train/acc_pos/{k}", "correct_per_slot", "count_per_slot"),
 )
 """The metrics every drafter logs; a variant's come after them (:attr:`LossSums.metrics`)."""
 

@@ -292,7 +292,7 @@ def _plot_acc_pos(path: Path, log: MetricsLog) -> None:
     fig, ax = _figure("Accuracy per block slot", ylabel="accuracy")
     cmap = matplotlib.colormaps["viridis"]
     # A variant's own per-slot accuracies (of its drafting path), dashed beside each slot's.
-    paths = [(log.family(re.escape(name) + r"/(\d+)"), suffix)
+    paths = [(log.family(re.escape(name).replace(re.escape("{k}"), r"(\d+)")), suffix)
              for variant in VARIANTS.values() for name, suffix in variant.report.slot_paths.items()]
     for i, (k, (steps, values)) in enumerate(slots.items()):
         ax.plot(steps, values, color=cmap(i / max(1, len(slots) - 1)), label=f"slot {k}")

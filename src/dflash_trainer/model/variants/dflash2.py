@@ -161,7 +161,7 @@ class SelectorTerms(LossTerms):
         MetricSpec("train/selector_loss", "selector_loss", "weight"),
         MetricSpec("train/candidate_recall", "in_top_k", "count"),
         MetricSpec("train/tau_sim_selector", "path_accepted", "blocks"),
-        MetricSpec("train/acc_sel_pos", "path_correct_per_slot", "count_per_slot"),
+        MetricSpec("train/acc_sel_pos/{k}", "path_correct_per_slot", "count_per_slot"),
     )
 
     def __init__(self, selector: CandidateSelector, *, weight: float = 1.0,
@@ -203,7 +203,7 @@ class DFlash2(Variant):
     export_prefixes = ("candidate_selector.",)
     report = ReportLines(tau={"train/tau_sim_selector": "train/tau_sim_selector (DFlash2 selector's path, "
                                                         "training batches)"},
-                         slot_paths={"train/acc_sel_pos": "selector path"},
+                         slot_paths={"train/acc_sel_pos/{k}": "selector path"},
                          summary=("train/tau_sim_selector", "train/candidate_recall"))
 
     def settings(self, model_cfg: ModelConfig, target: PretrainedConfig) -> dict[str, Any]:

@@ -258,7 +258,7 @@ def _to_host(*windows: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
 
 def _ratios(specs: tuple[MetricSpec, ...], sums: dict[str, Any]) -> dict[str, Metric]:
     """The metrics ``specs`` declares over the window ``sums``: ``name`` for a sum of one value,
-    ``name/k`` for the k-th block slot of a per-slot sum."""
+    ``name`` with ``{k}`` set to the block slot for a per-slot sum."""
     metrics: dict[str, Metric] = {}
     for spec in specs:
         numerator, denominator = sums.get(spec.numerator), sums.get(spec.denominator)
@@ -268,5 +268,6 @@ def _ratios(specs: tuple[MetricSpec, ...], sums: dict[str, Any]) -> dict[str, Me
             metrics[spec.name] = Ratio(numerator, denominator)
         else:
             for k, (num, den) in enumerate(zip(numerator, denominator), start=1):
-                metrics[f"{spec.name}/{k}"] = Ratio(num, den)
+                assert "{k}" in spec.name, f"{spec.name}: a per-slot metric names its slot field {{k}}"
+                metrics[spec.name.format(k=k)] = Ratio(num, den)
     return metrics
