@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,28 @@ def test_training_online_from_vllm_equals_the_in_process_target(setup, engine, t
     assert all(p.is_meta for n, p in trainer.target.named_parameters() if n.startswith("model.layers."))
 
 
+@pytest.mark.slow
+def test_a_slow_drafter_pauses_the_requests(setup, engine, tmp_path: Path):
+    """Backpressure: the engine answers no more rows than the batches trained and the few
+    between the engine and the drafter (the one the target stage holds, the one in the bounded
+    features channel, the one the step loop took), of 32 rows in two epochs."""
+    rows: list[int] = []
+    ahead: list[int] = []
+
+    def slow_drafter(batch: Any) -> None:
+        rows.append(len(batch.sample_ids))
+        time.sleep(0.5)  # the engine would answer every row of the epoch meanwhile
+        ahead.append(trainer.parts.engine.client.total_requests - sum(rows))
+
+    trainer = Trainer(load_config(None, overrides(setup, tmp_path / "run", *via(engine, setup),
+                                                  "pipeline.feature_queue_size=1")))
+    try:
+        trainer.train(on_batch=slow_drafter)
+    finally:
+        trainer.close()
+    assert sum(rows) == 32 and max(ahead) <= 3 * max(rows), (ahead, rows)
+
+
 def refusal(capsys, args: list[str]) -> tuple[int, str]:
     """Exit code and the error line (the progress lines of prepare come before it)."""
     capsys.readouterr()
@@ -247,3 +270,24 @@ def test_an_engine_that_hangs_is_reported_after_the_request_timeout(setup, engin
         trainer.close()
     step = trainer.drafter_step.optimizer_step
     assert step >= 3 and (tmp_path / "run" / "checkpoints" / f"step-{step}").is_dir()
+
+
+RESULT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "engine-features.json"
+
+
+def test_the_committed_comparison_meets_its_stated_tolerances():
+    """benchmarks/engine_features.py on the demo's first 64 samples (docs/features.md quotes it):
+    every tapped layer within the tolerances the result states, and the greedy labels agree."""
+    from benchmarks.engine_features import TOLERANCES
+
+    result = json.loads(RESULT.read_text())["features"]
+    assert result["samples"] == 64 and result["dtype"] == "float32"
+    assert result["tolerances"] == TOLERANCES
+    assert len(result["per_layer"]) == len(result["layer_ids"]) >= 2
+    for row in result["per_layer"]:
+        assert row["cosine_min"] >= TOLERANCES["cosine_min"], row
+        assert row["rel_err_max"] <= TOLERANCES["rel_err_max"], row
+        assert row["rel_err_mean"] <= TOLERANCES["rel_err_mean"], row
+    assert result["label_agreement"] >= TOLERANCES["label_agreement"]
+    assert len(result["throughput"]["rounds"]) >= 4  # both arms, alternating, load recorded
+    assert all("load_before" in r for r in result["throughput"]["rounds"])

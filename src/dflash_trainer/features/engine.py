@@ -177,6 +177,8 @@ class VllmFeatureClient:
         self._pool = ThreadPoolExecutor(cfg.max_inflight, thread_name_prefix="engine-request")
         self._lock = threading.Lock()
         self._inflight = 0
+        self.total_requests = 0
+        """Requests answered and read back since the client started."""
         self._requests = 0
         self._tokens = 0
         self._request_s = 0.0
@@ -262,6 +264,7 @@ class VllmFeatureClient:
                 "`dflash-trainer features --print-engine-command`")
         with self._lock:
             self._requests += 1
+            self.total_requests += 1
             self._tokens += len(ids)
             self._request_s += time.perf_counter() - start
         return hidden
