@@ -7,7 +7,7 @@ import torch
 
 from dflash_trainer.config import load_config
 from dflash_trainer.core.errors import ConfigError
-from dflash_trainer.training.optim import LRSchedule, build_optimizer, lr_at
+from dflash_trainer.training.optim import LRSchedule, build_optimizer, lr_at, rescaled
 
 
 def test_optimizer_uses_configured_hyperparameters():
@@ -74,6 +74,35 @@ def test_schedule_state_round_trip():
     sched2 = LRSchedule(opt2, total_steps=10, cfg=cfg)
     sched2.load_state_dict(state)
     assert sched2.lr == sched.lr and sched2.total_steps == 50
+
+
+@pytest.mark.parametrize(("old_total", "new_total", "end"), [(28, 56, 49), (28, 19, 21), (28, 28, 28)])
+def test_a_resize_lands_the_rest_of_the_schedule_on_the_new_run(old_total, new_total, end):
+    """Resumed at step 7 of a run of ``old_total`` steps, a quarter of its samples trained, on a
+    world size whose uninterrupted run takes ``new_total`` steps and whose resumed run ends at
+    ``end``: the lr continues at the new run's curve where it has trained a quarter of its
+    samples, and the last step is the new curve's last."""
+    cfg = load_config(None, ["training.warmup_steps=2"]).training
+    opt = build_optimizer(torch.nn.Linear(2, 2).parameters(), cfg)
+    sched = LRSchedule(opt, total_steps=old_total, cfg=cfg)
+    for _ in range(7):
+        sched.step()
+    state = rescaled(step=7, progress=0.25, total_steps=new_total, end_step=end)
+    resumed = LRSchedule(build_optimizer(torch.nn.Linear(2, 2).parameters(), cfg), total_steps=new_total,
+                         cfg=cfg, state=state)
+    assert resumed.lr == pytest.approx(lr_at(new_total / 4, total_steps=new_total, cfg=cfg))
+    assert resumed.end_step == end
+    lrs = []
+    while resumed.step_count < end:
+        lrs.append(resumed.lr)
+        resumed.step()
+    assert all(lr > 0 for lr in lrs) and all(a >= b for a, b in zip(lrs, lrs[1:]))
+    assert lrs[-1] == pytest.approx(lr_at(new_total - 1, total_steps=new_total, cfg=cfg),
+                                    rel=0.1 if new_total != end else 1e-12)
+    assert resumed.lr == 0  # min_lr, after the last step
+    again = LRSchedule(build_optimizer(torch.nn.Linear(2, 2).parameters(), cfg), total_steps=1, cfg=cfg,
+                       state=resumed.state_dict())
+    assert again.lr == resumed.lr and again.end_step == end
 
 
 def test_nonfinite_step_is_skipped_on_device():

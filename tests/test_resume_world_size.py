@@ -20,9 +20,10 @@ import pytest
 from helpers_e2e import make_chat_jsonl, make_tiny_target
 from test_distributed import COLLECTIVE_TIMEOUT_S, LAUNCH_TIMEOUT_S, overrides, run_with_deadline
 
-from dflash_trainer.config import PipelineConfig
+from dflash_trainer.config import PipelineConfig, TrainingConfig
 from dflash_trainer.data.buckets import build_plan
 from dflash_trainer.data.resize import resize_plan
+from dflash_trainer.training.optim import lr_at
 
 
 def plan_samples(plan, start: int = 0) -> list[int]:
@@ -69,16 +70,21 @@ SCRIPT = textwrap.dedent("""
 
     out, stop, *args = sys.argv[1:]
     trainer = Trainer(load_config(None, args))
-    seen = []
+    seen, lrs = [], []
+    # The lr each optimizer step uses.
+    trainer.drafter_step.optimizer.register_step_pre_hook(
+        lambda opt, *_: lrs.append(opt.param_groups[0]["lr"]))
     trainer.train(stop_after_steps=int(stop) or None,
                   on_batch=lambda b: seen.append([b.epoch, b.step, b.sample_ids.tolist()]))
     rank = trainer.dist.rank
     plans = {e: [[b.tolist() for b in s.batches] for s in trainer.parts.plans(e).steps]
              for e in range(trainer.cfg.training.epochs)}
+    lengths = trainer.parts.data.lengths.tolist()
     trainer.close()
     del trainer
     close_distributed()
-    Path(f"{out}.rank{rank}.json").write_text(json.dumps({"seen": seen, "plans": plans}))
+    Path(f"{out}.rank{rank}.json").write_text(json.dumps({"seen": seen, "plans": plans, "lrs": lrs,
+                                                          "lengths": lengths}))
 """)
 
 
@@ -86,7 +92,7 @@ SCRIPT = textwrap.dedent("""
 def assets(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("resize")
     make_tiny_target(root / "target", layers=3)
-    make_chat_jsonl(root / "chat.jsonl", num=16)
+    make_chat_jsonl(root / "chat.jsonl", num=40)
     (root / "run_part.py").write_text(SCRIPT)
     return root
 
@@ -106,6 +112,24 @@ def launch(root: Path, run_dir: Path, nproc: int, stop: int, *extra: str) -> lis
     return [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(nproc)]
 
 
+def check_lrs(before: list[dict], after: list[dict], world_size: int) -> None:
+    """The lr of every step: never 0 (``min_lr`` is 0, which the cosine reaches after the last
+    step), decreasing after warmup, and the resumed run's last step at the lr of the last step
+    of an uninterrupted run of the new world size."""
+    cfg = TrainingConfig(lr=3e-3)  # as overrides() sets it
+    pipeline = PipelineConfig(tokens_per_batch=256, num_buckets=2)
+    lengths = np.asarray(after[0]["lengths"])
+    total = sum(len(build_plan(lengths, pipeline, seed=cfg.seed, epoch=e, world_size=world_size))
+                for e in range(2))
+    assert all(rank["lrs"] == after[0]["lrs"] for rank in after)
+    lrs = before[0]["lrs"] + after[0]["lrs"]
+    assert all(lr > 0 for lr in lrs), lrs
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:])), lrs  # warmup is 1 step here
+    uninterrupted = [lr_at(s, total_steps=total, cfg=cfg) for s in range(total)]
+    assert lrs[-1] == pytest.approx(uninterrupted[-1], rel=0.25), (lrs, uninterrupted)
+    assert lrs[-1] < uninterrupted[-2]
+
+
 def trained(parts: list[list[dict]], epoch: int) -> collections.Counter:
     return collections.Counter(i for ranks in parts for rank in ranks for e, _, ids in rank["seen"]
                                if e == epoch for i in ids)
@@ -113,7 +137,7 @@ def trained(parts: list[list[dict]], epoch: int) -> collections.Counter:
 
 @pytest.fixture(scope="module")
 def two_rank_part(assets) -> tuple[Path, list[dict]]:
-    """2 ranks, stopped at step 2 of epoch 0 (4 steps): its final checkpoint is step-2."""
+    """2 ranks, stopped at step 2 of epoch 0 (8 steps): its final checkpoint is step-2."""
     run_dir = assets / "two"
     return run_dir, launch(assets, run_dir, 2, 2)
 
@@ -144,6 +168,7 @@ def test_resume_on_another_world_size_trains_each_sample_of_the_epoch_once(
     plan1 = after[0]["plans"]["1"]
     assert all(len(step) == then for step in plan1)
     assert trained([after], 1) == collections.Counter(i for step in plan1 for b in step for i in b)
+    check_lrs(before, after, then)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
     resumed = [s for s in losses if s > stop]

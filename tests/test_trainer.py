@@ -15,6 +15,7 @@ import pytest
 from dflash_trainer.training import components
 from dflash_trainer.config import load_config
 from dflash_trainer.data.buckets import Plan
+from dflash_trainer.evaluation.evaluate import InTrainingEval
 from dflash_trainer.training.pipeline.drafter_step import NonFiniteError
 from dflash_trainer.training.trainer import Trainer
 from helpers_e2e import make_chat_jsonl, make_tiny_target, tiny_run_overrides
@@ -37,8 +38,9 @@ def overrides(setup: dict[str, Path], run_dir: Path, *extra: str) -> list[str]:
 
 
 def run(args: list[str], **kwargs: Any) -> tuple[Trainer, list[dict[str, Any]]]:
-    """Build, train, close; the trainer and its metrics.jsonl records."""
-    trainer = Trainer(load_config(None, args))
+    """Build, train, close; the trainer and its metrics.jsonl records. The in-training
+    evaluation is the one ``dflash-trainer train`` hands the Trainer."""
+    trainer = Trainer(load_config(None, args), evaluator=InTrainingEval.from_config)
     try:
         trainer.train(**kwargs)
     finally:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from dflash_trainer.core import assets
-from dflash_trainer.config import Config
+from dflash_trainer.config import Config, TrainingConfig
 from dflash_trainer.data.buckets import Plan, build_plan
 from dflash_trainer.data.prepare import load_training_data
 from dflash_trainer.core.distributed import DistInfo, target_load_device, wrap_drafter, wrap_target
@@ -41,7 +41,7 @@ from dflash_trainer.training.optim import LRSchedule, build_optimizer
 from dflash_trainer.training.pipeline.drafter_step import DrafterStep
 
 __all__ = ["PEAK_BF16_FLOPS", "Components", "DrafterSide", "EpochPlans", "TrainingData", "build",
-           "build_drafter_step", "peak_flops", "run_mask_token_id"]
+           "build_drafter_step", "peak_flops", "run_mask_token_id", "run_progress", "run_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +113,29 @@ class EpochPlans:
     def total_steps(self, epochs: int) -> int:
         """Steps of epochs ``0 .. epochs - 1``, each from its own plan (lengths can differ)."""
         return sum(self.num_steps(e) for e in range(epochs))
+
+
+def run_steps(plans: Any, cfg: TrainingConfig) -> int:
+    """Optimizer steps of a run over ``plans``: every epoch's own plan length / grad_accum,
+    capped by ``max_steps`` (the one place this is counted)."""
+    total = max(1, plans.total_steps(cfg.epochs) // cfg.grad_accum)
+    return total if cfg.max_steps is None else min(total, cfg.max_steps)
+
+
+def run_progress(plans: Any, cfg: TrainingConfig, *, epoch: int, step: int) -> float:
+    """The fraction of a run over ``plans`` done before plan step ``step`` of ``epoch``: in
+    samples (steps hold more or fewer of them), or in optimizer steps when ``max_steps`` ends
+    the run before its plans do."""
+    total = run_steps(plans, cfg)
+    if cfg.max_steps is not None and total == cfg.max_steps < plans.total_steps(cfg.epochs) // cfg.grad_accum:
+        done = sum(plans.num_steps(e) for e in range(epoch)) + step
+        return done / cfg.grad_accum / total
+
+    def samples(e: int, end: int | None = None) -> int:
+        return sum(len(batch) for s in plans(e).steps[:end] for batch in s.batches)
+
+    done = sum(samples(e) for e in range(epoch)) + samples(epoch, step)
+    return done / max(1, sum(samples(e) for e in range(cfg.epochs)))
 
 
 @dataclass(kw_only=True)
@@ -327,10 +350,7 @@ def build(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None, token
     # The plans use their own seeded generators: building them here draws nothing from the
     # global RNG that the drafter's initialisation below uses.
     plans = EpochPlans(data.lengths, cfg, dist.world_size)
-    micro_steps = plans.total_steps(cfg.training.epochs)
-    total_steps = max(1, micro_steps // cfg.training.grad_accum)
-    if cfg.training.max_steps is not None:
-        total_steps = min(total_steps, cfg.training.max_steps)
+    total_steps = run_steps(plans, cfg.training)
     side = build_drafter_step(cfg, dist, target, mask_token_id=mask_id, tokenizer=tokenizer,
                               total_steps=total_steps, compute_dtype=dtype,
                               runs_target=not (from_store or from_engine))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -55,18 +56,45 @@ def lr_at(step: int, *, total_steps: int, cfg: TrainingConfig) -> float:
 
 
 class LRSchedule:
-    """Sets the optimizer's lr before each step; stateful for exact resume."""
+    """Sets the optimizer's lr before each step; stateful for exact resume.
+
+    The curve is :func:`lr_at` over ``total_steps`` schedule steps. Optimizer step ``k`` sits
+    at schedule position ``anchor_position + (k - anchor_step) * pace``: ``k`` itself in a run
+    that never changed its world size. A resume on another world size (:func:`rescaled`) moves
+    the anchor to the run's progress in samples on the curve of an uninterrupted run of the new
+    size, and sets the pace so that the run's last step is the curve's last.
+    """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, total_steps: int,
-                 cfg: TrainingConfig) -> None:
+                 cfg: TrainingConfig, state: dict[str, Any] | None = None) -> None:
         self.optimizer = optimizer
         self.total_steps = total_steps
+        """Length of the curve in schedule steps."""
         self.cfg = cfg
         self.step_count = 0
+        self.anchor_step = 0
+        self.anchor_position = 0.0
+        self.pace = 1.0
+        """Schedule steps per optimizer step (1 unless the world size changed)."""
+        if state is not None:
+            self.load_state_dict(state)
         self._apply()
 
+    def position(self, step: int) -> float:
+        """Schedule position of optimizer step ``step`` (0-based)."""
+        if self.anchor_step == 0 and self.anchor_position == 0 and self.pace == 1:
+            return step  # the exact integer step of a run that kept its world size
+        return self.anchor_position + (step - self.anchor_step) * self.pace
+
+    @property
+    def end_step(self) -> int:
+        """The optimizer step at which the curve ends (its lr is then ``min_lr``)."""
+        if self.pace <= 0:
+            return self.anchor_step
+        return self.anchor_step + round((self.total_steps - self.anchor_position) / self.pace)
+
     def _apply(self) -> None:
-        lr = lr_at(self.step_count, total_steps=self.total_steps, cfg=self.cfg)
+        lr = lr_at(self.position(self.step_count), total_steps=self.total_steps, cfg=self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
@@ -80,12 +108,33 @@ class LRSchedule:
         self.step_count += 1
         self._apply()
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Position in the schedule (the schedule itself is a function of the config)."""
-        return {"step_count": self.step_count, "total_steps": self.total_steps}
+        return {"step_count": self.step_count, "total_steps": self.total_steps,
+                "anchor_step": self.anchor_step, "anchor_position": self.anchor_position,
+                "pace": self.pace}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore the position; the total comes from the checkpoint so the curve is unchanged."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the position and the curve of :meth:`state_dict`, so the curve is unchanged."""
         self.step_count = int(state["step_count"])
         self.total_steps = int(state["total_steps"])
+        self.anchor_step = int(state.get("anchor_step", 0))
+        self.anchor_position = float(state.get("anchor_position", 0.0))
+        self.pace = float(state.get("pace", 1.0))
         self._apply()
+
+
+def rescaled(*, step: int, progress: float, total_steps: int, end_step: int) -> dict[str, Any]:
+    """The :class:`LRSchedule` state of a run resumed on another world size at optimizer step
+    ``step``, having trained the fraction ``progress`` of its samples.
+
+    ``total_steps``: the steps of an uninterrupted run of the new world size, whose curve the
+    rest of the run follows from where that run would stand after the same samples;
+    ``end_step``: the step this run ends at, which lands on the curve's end. So warmup, decay
+    and the final lr come where the uninterrupted run of the new size has them, instead of
+    the old size's step count running out early (more ranks) or late (fewer ranks).
+    """
+    position = min(max(progress, 0.0), 1.0) * total_steps
+    pace = (total_steps - position) / max(1, end_step - step)
+    return {"step_count": step, "total_steps": total_steps, "anchor_step": step,
+            "anchor_position": position, "pace": pace}

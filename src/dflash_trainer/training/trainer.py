@@ -27,7 +27,7 @@ import yaml
 from dflash_trainer.training.checkpoint import (
     TRAIN_DIR, Checkpointer, ResumeError, SaveRequest, checkpoint_names, load_drafter_weights,
     load_rank_state, load_state, load_train_state, local_part, resolve_resume, snapshot)
-from dflash_trainer.training.components import Components, build
+from dflash_trainer.training.components import Components, build, run_progress, run_steps
 from dflash_trainer.config import Config, config_to_dict, save_config, upgrade_saved_config
 from dflash_trainer.data.buckets import Plan, build_plan
 from dflash_trainer.data.resize import Resize, ResizedPlans
@@ -41,6 +41,7 @@ from dflash_trainer.core.locks import FolderLock, run_folder_lock
 from dflash_trainer.model.batch import Batch
 from dflash_trainer.model.drafter import drafter_class
 from dflash_trainer.training.export import check_fits_target, export_drafter, read_drafter_config
+from dflash_trainer.training.optim import rescaled
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
 from dflash_trainer.training.pipeline.drafter_step import DrafterStep
 from dflash_trainer.training.pipeline.pipeline import PipelineSettings, TrainingPipeline, plan_metrics
@@ -436,12 +437,20 @@ class Trainer:
         if folder is None:
             return None  # a fresh start (see _check_run_folder), or resume=auto with nothing saved
         state = load_state(folder)
-        if state["world_size"] != self.dist.world_size:
+        resized = state["world_size"] != self.dist.world_size
+        if resized:
             self._resize(state)
         elif self.dist.rank > 0:  # its own RNG streams and data position
             own = load_rank_state(folder, self.dist.rank)
             state.update(rng=own["rng"], prefetch=own["prefetch"])
+        fresh_total = self.total_steps  # of an uninterrupted run of this world size
         self._use_resized_plans(state)
+        if resized:
+            cursor = state["prefetch"]
+            state["loop"]["schedule"] = rescaled(
+                step=int(state["step"]), total_steps=fresh_total, end_step=self.total_steps,
+                progress=run_progress(self.parts.plans, self.cfg.training, epoch=cursor["epoch"],
+                                      step=cursor["step"]))
         state["train_dir"] = folder / TRAIN_DIR
         step = int(state["step"])
         log.info("resumed from %s at optimizer step %d", folder, step)
@@ -484,12 +493,7 @@ class Trainer:
             return
         self._resizes = plans.resizes
         self.parts.plans = plans
-        cfg = self.cfg
-        # As components.build counts them, over the resized epoch.
-        total = max(1, plans.total_steps(cfg.training.epochs) // cfg.training.grad_accum)
-        if cfg.training.max_steps is not None:
-            total = min(total, cfg.training.max_steps)
-        self.parts.total_steps = total
+        self.parts.total_steps = run_steps(plans, self.cfg.training)
 
     def _choose_resume(self) -> Path | None:
         """Rank 0: the validated checkpoint folder to resume from (None: a fresh start), checked
@@ -577,10 +581,10 @@ class Trainer:
         if self._best.best is not None:
             self.checkpointer.mark_best(self._best.best["step"])
         self._snapshot_step = self.drafter_step.optimizer_step
-        if self.drafter_step.schedule.total_steps != self.total_steps:
-            log.warning("the LR schedule of the checkpoint spans %d steps, this config %d: the "
+        if self.drafter_step.schedule.end_step != self.total_steps:
+            log.warning("the LR schedule of the checkpoint ends at step %d, this config at %d: the "
                         "schedule keeps the checkpoint's curve; the run stops at step %d",
-                        self.drafter_step.schedule.total_steps, self.total_steps, self.total_steps)
+                        self.drafter_step.schedule.end_step, self.total_steps, self.total_steps)
         if state["rng"] is None:  # resumed on another world size (see _resize)
             _reseed(self.cfg.training.seed, self.drafter_step.optimizer_step, self.dist.rank,
                     self.device)
