@@ -28,7 +28,7 @@ ZERO_OK = {
     "data.heldout_samples", "model.mask_token_id", "model.target_layer_ids", "training.seed",
     "training.betas", "training.weight_decay", "training.warmup_ratio", "training.warmup_steps",
     "training.min_lr", "training.noise_std", "training.noise_warmup_steps", "eval.temperature",
-    "training.selector_weight",
+    "training.selector_weight", "training.markov_weight",
 }
 HUGE_OK = {
     # A huge value means something: no clipping, every loss slot weighted the same.
@@ -70,6 +70,8 @@ def _roomy(key: str) -> dict[str, str]:
         room["data.max_length"] = "3"
     if key in ("model.selector_rank", "model.selector_top_k", "model.conv_group_size", "training.selector_weight"):
         room["model.variant"] = "dflash2"  # DFlash2 options are refused with model.variant=dflash
+    if key in ("model.markov_rank", "training.markov_weight"):
+        room["model.variant"] = "dspark"  # and DSpark's
     return {k: v for k, v in room.items() if k != key}
 
 

@@ -89,7 +89,8 @@ def test_the_registry_and_the_config_schema_list_the_same_variants() -> None:
     hints = typing.get_type_hints(ModelConfig)
     assert list(typing.get_args(hints["variant"])) == list(VARIANTS)
     assert get_variant("dflash").name == "dflash"
-    with pytest.raises(ConfigError, match=r"^model.variant: got 'nope', accepted values: 'dflash', 'dflash2'$"):
+    with pytest.raises(ConfigError, match=r"^model.variant: got 'nope', accepted values: 'dflash', 'dflash2', "
+                                          r"'dspark'$"):
         get_variant("nope")
 
 

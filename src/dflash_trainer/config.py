@@ -186,11 +186,13 @@ class ModelConfig:
     the target's units first and zero output weights on the extra ones. ``last_layers``:
     drafter layer i a copy of the target's layer ``n_target - n_draft + i`` where names and
     shapes match; ``fc`` and the norms stay fresh."""
-    variant: Literal["dflash", "dflash2"] = "dflash"
+    variant: Literal["dflash", "dflash2", "dspark"] = "dflash"
     """``dflash``: the DFlash drafter. ``dflash2``: DFlash2 (z-lab/Inco AI): the same backbone
     plus a two-tap dynamic depthwise convolution around each attention and MLP sublayer and a
     candidate selector that picks each draft among the top ``selector_top_k`` tokens of its
-    slot given the token before it (see docs/dflash2.md)."""
+    slot given the token before it (see docs/dflash2.md). ``dspark``: DSpark (DeepSeek): the
+    same backbone plus a low-rank Markov head that adds a bias from the token before each slot,
+    the block drafted left to right, and an optional confidence head (see docs/dspark.md)."""
     selector_rank: int | None = ranged(None, ge=1, le=8192, none="for 256 (model.variant: dflash2 only)")
     """DFlash2: rank of the selector's predecessor/successor codebooks (each vocabulary x rank)."""
     selector_top_k: int | None = ranged(None, ge=1, le=1024, none="for 16 (model.variant: dflash2 only)")
@@ -199,12 +201,18 @@ class ModelConfig:
     conv_group_size: int | None = ranged(None, ge=1, le=65536,
                                          none="for 16 (model.variant: dflash2 only)")
     """DFlash2: channels that share one dynamic kernel coefficient; must divide the hidden size."""
+    markov_rank: int | None = ranged(None, ge=1, le=8192, none="for 256 (model.variant: dspark only)")
+    """DSpark: rank of the Markov head (``markov_w1`` and ``markov_w2``, each vocabulary x rank)."""
+    enable_confidence_head: bool | None = None
+    """DSpark: add the confidence head, which estimates each draft's acceptance (drafting does
+    not read it; vLLM's adaptive verification does); default true with ``model.variant: dspark``."""
     init_from: str | None = None
     """Warm start: an exported drafter folder or a training checkpoint (``step-N``) whose
     weights start the drafter (the run's own ``checkpoint.resume`` still wins). A DFlash
-    drafter warm-starts a DFlash2 one: its backbone is copied, the convolutions and the
-    selector start at identity, so it first drafts what the DFlash drafter drafts. Needs the
-    same target layers and layer sizes; excludes ``model.drafter_init`` other than random."""
+    drafter warm-starts a DFlash2 or a DSpark one: its backbone is copied, the convolutions and
+    the selector (DSpark: the Markov head) start at identity, so it first drafts what the DFlash
+    drafter drafts. Needs the same target layers and layer sizes; excludes
+    ``model.drafter_init`` other than random."""
 
 
 @dataclass(kw_only=True)
@@ -270,6 +278,10 @@ class TrainingConfig:
     """DFlash2: a label outside the slot's candidates is left out of the selector loss
     (``exclude``, the default) or replaces the lowest candidate in that loss only
     (``insert``)."""
+    markov_weight: float | None = ranged(None, ge=0, le=1000, none="for 1 (model.variant: dspark only)")
+    """DSpark: weight of the Markov-corrected loss (the same loss on the logits plus the Markov
+    bias after the true previous token) added to the backbone's loss; 0 trains the backbone
+    alone (the Markov head then keeps its zero bias)."""
 
 
 @dataclass(kw_only=True)
@@ -562,6 +574,14 @@ def validate(cfg: Config) -> None:
         checks.append((not dflash2_only,
                        f"{', '.join(dflash2_only)} {are}, but model.variant is {cfg.model.variant}; "
                        f"set model.variant=dflash2 or remove {'it' if len(dflash2_only) == 1 else 'them'}"))
+    if cfg.model.variant != "dspark":
+        dspark_only = [f"{section}.{name}" for section, name in (
+            ("model", "markov_rank"), ("model", "enable_confidence_head"), ("training", "markov_weight"))
+            if getattr(getattr(cfg, section), name) is not None]
+        are = "is a DSpark option" if len(dspark_only) == 1 else "are DSpark options"
+        checks.append((not dspark_only,
+                       f"{', '.join(dspark_only)} {are}, but model.variant is {cfg.model.variant}; "
+                       f"set model.variant=dspark or remove {'it' if len(dspark_only) == 1 else 'them'}"))
     if cfg.model.init_from is not None:
         checks.append((cfg.model.drafter_init == "random",
                        f"model.init_from and model.drafter_init={cfg.model.drafter_init} both set the drafter's "

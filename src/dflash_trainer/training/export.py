@@ -74,7 +74,7 @@ def export_config(model: DFlashDraftModel, *, num_target_layers: int, dtype: tor
         "architectures": [variant.architecture],
         "auto_map": {"AutoModel": f"{variant.modeling_paths()[-1].stem}.{variant.architecture}"},
         "model_type": "qwen3",
-        **variant.config_fields(),
+        **variant.export_fields(model),
         "block_size": model.block_size,
         "num_target_layers": num_target_layers,
         "dflash_config": section,

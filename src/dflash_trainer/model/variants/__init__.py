@@ -16,6 +16,7 @@ from dflash_trainer.core.errors import ConfigError
 from dflash_trainer.model.variants.base import LossTerms, ReportLines, SlotInputs, TermSums, Variant
 from dflash_trainer.model.variants.dflash import DFlash
 from dflash_trainer.model.variants.dflash2 import DFlash2
+from dflash_trainer.model.variants.dspark import DSpark
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT", "VARIANTS", "LossTerms", "ReportLines", "SlotInputs", "TermSums", "Variant",
            "architectures", "drafter_class", "get_variant", "titles", "variant_of"]
 
-VARIANTS: dict[str, Variant] = {variant.name: variant for variant in (DFlash(), DFlash2())}
+VARIANTS: dict[str, Variant] = {variant.name: variant for variant in (DFlash(), DFlash2(), DSpark())}
 """``model.variant`` -> its variant."""
 DEFAULT = VARIANTS["dflash"]
 """The variant of a drafter config that names no known architecture (exports from before

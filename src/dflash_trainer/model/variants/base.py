@@ -13,9 +13,10 @@ loss. A :class:`Variant` declares the rest, in one module of :mod:`dflash_traine
   objective adds to the backbone's loss (named terms, weights, count sums and the
   :class:`~dflash_trainer.model.loss.MetricSpec` of each logged metric);
   :attr:`Variant.report` says how the report draws them;
-* its export schema: :meth:`Variant.config_fields` (top-level ``config.json`` keys),
-  :meth:`Variant.export_section` (``dflash_config`` keys), :attr:`Variant.export_prefixes`
-  (its tensors) and :attr:`Variant.modeling_files` (the files shipped);
+* its export schema: :meth:`Variant.config_fields` and :meth:`Variant.export_fields`
+  (top-level ``config.json`` keys), :meth:`Variant.export_section` (``dflash_config`` keys),
+  :attr:`Variant.export_prefixes` (its tensors) and :attr:`Variant.modeling_files` (the files
+  shipped);
 * its drafting step in the decoding loop (eval, generate, the demo): ``propose`` of
   :attr:`Variant.model_class`, which ``spec_generate`` calls once per block with the block's
   hidden states and its verified anchor token, and which returns the drafts and, when
@@ -167,6 +168,13 @@ class Variant:
         """Top-level config keys of this variant's drafters (set on a built drafter's config
         and written to ``config.json`` after ``model_type``)."""
         return {}
+
+    def export_fields(self, model: DFlashDraftModel) -> dict[str, Any]:
+        """Top-level ``config.json`` keys of an export of ``model`` (after ``model_type``):
+        :meth:`config_fields`, and keys read off the drafter where an engine reads them at the
+        top level."""
+        del model
+        return self.config_fields()
 
     def export_section(self, model: DFlashDraftModel) -> dict[str, Any]:
         """The ``dflash_config`` keys an export adds to the backbone's, read off ``model``."""
