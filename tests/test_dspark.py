@@ -438,7 +438,7 @@ def test_transformers_alone_loads_the_dspark_export(tmp_path: Path) -> None:
 # --- a run -------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_a_dspark_run_logs_its_metrics_reports_them_and_exports_dspark(tmp_path) -> None:
+def test_a_dspark_run_logs_its_metrics_reports_them_exports_dspark_and_resumes(tmp_path) -> None:
     from helpers_e2e import make_chat_jsonl, tiny_run_overrides
 
     target = make_tiny_target(tmp_path / "target", layers=3)
@@ -459,3 +459,5 @@ def test_a_dspark_run_logs_its_metrics_reports_them_and_exports_dspark(tmp_path)
     assert config["architectures"] == ["DSparkDraftModel"] and config["markov_rank"] == 8
     report = (run / "report" / "index.html").read_text()
     assert "final tau_sim_markov (DSpark)" in report and "final confidence_mean (DSpark)" in report
+    assert cli_main(["train", *args, "training.max_steps=3", "checkpoint.resume=auto"]) == 0
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["train/step"] == 3
