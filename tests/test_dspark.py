@@ -367,6 +367,25 @@ def test_export_has_the_keys_and_tensors_vllm_and_llama_cpp_read(tmp_path: Path,
                            drafter.propose(hidden[:, 1:], torch.tensor([3]), head, 0.0)[0])
 
 
+def test_a_drafter_that_predicts_from_the_anchor_is_refused_in_one_line(tmp_path: Path) -> None:
+    """DeepSeek's and SpecForge's DSpark drafters (``sample_from_anchor`` true, or missing as vLLM
+    and llama.cpp read it) predict from the block's first row; this class drafts DFlash's layout,
+    so it refuses them rather than decoding them wrongly."""
+    out = export.export_drafter(randomised(build_drafter(model_cfg(), target_config(), mask_token_id=9)),
+                                tmp_path / "ds", dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    for value in (True, None):
+        if value is None:
+            config.pop("sample_from_anchor")
+        else:
+            config["sample_from_anchor"] = value
+        (out / "config.json").write_text(json.dumps(config))
+        with pytest.raises(CheckpointError, match=r"ds/config.json is not a valid drafter config \(this DSpark "
+                                                  r"drafter predicts from the anchor row \(sample_from_anchor is "
+                                                  r"true or missing\)"):
+            export.load_drafter(out)
+
+
 def _vllm_file(relative: str) -> Path:
     found = sorted(REPO.glob(f".venv-vllm/lib/python*/site-packages/{relative}"))
     if not found:

@@ -109,16 +109,24 @@ class DSparkDraftModel(DFlashDraftModel):
     ``enable_confidence_head``, ``confidence_head``.
 
     Reads ``markov_rank``, ``enable_confidence_head`` and ``confidence_head_with_markov`` from
-    ``config.dflash_config`` first, then from the top level of the config.
+    ``config.dflash_config`` first, then from the top level of the config, where it also needs
+    ``sample_from_anchor: false`` (the block layout).
     """
 
     def __init__(self, config: Qwen3Config) -> None:
+        if getattr(config, "sample_from_anchor", True) is not False:
+            # vLLM and llama.cpp read a missing key as true, the layout of DeepSeek's and
+            # SpecForge's DSpark drafters, whose first block row already predicts.
+            raise ValueError("this DSpark drafter predicts from the anchor row (sample_from_anchor is true or "
+                             "missing); DSparkDraftModel drafts DFlash's block layout, where the anchor is the "
+                             "verified token and the masks predict (sample_from_anchor: false)")
         super().__init__(config)
         rank = int(dflash_value(config, "markov_rank", DEFAULT_MARKOV_RANK))
         self.markov_head = MarkovHead(config.vocab_size, rank)
         self.confidence_head: ConfidenceHead | None = None
         if bool(dflash_value(config, "enable_confidence_head", False)):
-            with_markov = bool(dflash_value(config, "confidence_head_with_markov", True))
+            # Missing means false, as vLLM reads it; this trainer's drafters always set it true.
+            with_markov = bool(dflash_value(config, "confidence_head_with_markov", False))
             self.confidence_head = ConfidenceHead(config.hidden_size + (rank if with_markov else 0), with_markov)
         self.post_init()
 
