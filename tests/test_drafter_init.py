@@ -15,7 +15,7 @@ from dflash_trainer.model.drafter import (
     init_drafter_from_target,
 )
 from dflash_trainer.training.drafter_init import initialise_drafter
-from dflash_trainer.training.trainer import check_resume_compatible
+from dflash_trainer.training.resume import check_resume_compatible
 
 SIZES = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
          "intermediate_size": 128, "vocab_size": 256}

@@ -1,5 +1,6 @@
-"""The one assembly of a training run: target -> data -> mask id -> plans -> drafter -> feature
-extractor -> objective -> optimizer and schedule -> drafter step.
+"""The one assembly of a training run: target -> data (:func:`load_inputs`), then, with what
+the resume decided (``training.resume``), mask id -> plans -> drafter -> feature extractor ->
+objective -> optimizer and schedule -> drafter step (:func:`build`).
 
 :func:`build` is used by ``train``, ``demo`` and the benchmarks, so what they run is what the
 trainer runs; :func:`build_drafter_step` is its drafter side alone, for a benchmark that
@@ -40,8 +41,9 @@ from dflash_trainer.model.target import (FeatureExtractor, input_embedding_weigh
 from dflash_trainer.training.optim import LRSchedule, build_optimizer
 from dflash_trainer.training.pipeline.drafter_step import DrafterStep
 
-__all__ = ["PEAK_BF16_FLOPS", "Components", "DrafterSide", "EpochPlans", "TrainingData", "build",
-           "build_drafter_step", "peak_flops", "run_mask_token_id", "run_progress", "run_steps"]
+__all__ = ["PEAK_BF16_FLOPS", "Components", "DrafterSide", "EpochPlans", "RunInputs", "TrainingData", "build",
+           "build_drafter_step", "load_inputs", "peak_flops", "run_mask_token_id", "run_progress",
+           "run_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -237,10 +239,10 @@ class DrafterSide:
 
 def build_drafter_step(cfg: Config, dist: DistInfo, target: nn.Module, *, mask_token_id: int,
                        tokenizer: Any, total_steps: int, compute_dtype: torch.dtype,
-                       runs_target: bool = True) -> DrafterSide:
+                       runs_target: bool = True, schedule: dict[str, Any] | None = None) -> DrafterSide:
     """The trainer's drafter side on ``target``: drafter (built, initialised by
     ``model.drafter_init``, on the device) -> feature extractor -> objective -> optimizer and an
-    LR schedule of ``total_steps`` -> :class:`DrafterStep`.
+    LR schedule of ``total_steps`` (at the state ``schedule`` of a resume) -> :class:`DrafterStep`.
 
     Draws the drafter's initialisation from the global torch RNG: seed it first, as
     :func:`build` does. The caller closes the extractor (its hooks stay on the target).
@@ -263,9 +265,9 @@ def build_drafter_step(cfg: Config, dist: DistInfo, target: nn.Module, *, mask_t
         dist, cfg.distributed)
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, cfg.training)
-    schedule = LRSchedule(optimizer, total_steps=total_steps, cfg=cfg.training)
     drafter_step = DrafterStep(
-        objective=objective, parameters=params, optimizer=optimizer, schedule=schedule,
+        objective=objective, parameters=params, optimizer=optimizer,
+        schedule=LRSchedule(optimizer, total_steps=total_steps, cfg=cfg.training, state=schedule),
         cfg=cfg.training, dist_info=dist, block_size=drafter.block_size,
         autocast_dtype=torch.bfloat16 if compute_dtype == torch.bfloat16 else None,
         flops_fn=_flops_fn(cfg, target, drafter, lm_head_weight(target).shape[0], runs_target=runs_target),
@@ -317,14 +319,33 @@ def _open_engine(cfg: Config, dist: DistInfo, *, folder: Path, target: nn.Module
                        say=print if dist.is_main else (lambda _: None))
 
 
-def build(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None, tokenizer: Any = None,
-          data: TrainingData | None = None) -> Components:
-    """Build every part of a run for ``cfg`` on this rank.
+@dataclass(kw_only=True)
+class RunInputs:
+    """What a run is checked against before anything is built for it (see ``training.resume``):
+    the target, its tokenizer and the training data."""
+
+    target: nn.Module
+    """The frozen target; with ``features.store`` or ``engine.kind=vllm``, only the parts of it
+    that the run computes with (embedding, final norm, LM head, the layers the drafter's init
+    copies)."""
+    tokenizer: Any
+    data: TrainingData
+    data_stats: Any
+    """The preparation statistics (None for data passed in)."""
+    dtype: torch.dtype
+    """The target's and the autocast dtype."""
+    folder: str
+    """The target's folder ("" for a target passed in without an engine)."""
+
+
+def load_inputs(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None, tokenizer: Any = None,
+                data: TrainingData | None = None) -> RunInputs:
+    """The target (or its parts) and the tokenized data of ``cfg`` on this rank.
 
     ``target`` (a frozen HF causal LM, with or without ``tokenizer``) and ``data`` replace
     ``model.target`` and ``data.paths`` (benchmarks on random weights or synthetic tokens).
     Seeds the global torch RNG with ``training.seed`` first: every rank draws the same
-    drafter init.
+    drafter init in :func:`build`, and nothing between the two draws from it.
     """
     device = dist.device
     # Before the seed: the CPU dtype probe (first run on a machine) draws random numbers.
@@ -342,20 +363,41 @@ def build(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None, token
     data_stats = None
     if data is None:
         data, data_stats = load_training_data(cfg, dist, tokenizer)
+    return RunInputs(target=target, tokenizer=tokenizer, data=data, data_stats=data_stats, dtype=dtype,
+                     folder=folder)
+
+
+def build(cfg: Config, dist: DistInfo, inputs: RunInputs | None = None, *, plans: Any = None,
+          total_steps: int | None = None, schedule: dict[str, Any] | None = None,
+          target: nn.Module | None = None, tokenizer: Any = None,
+          data: TrainingData | None = None) -> Components:
+    """Build every part of a run for ``cfg`` on this rank, from ``inputs`` (loaded here from
+    ``target``, ``tokenizer`` and ``data`` when not given, see :func:`load_inputs`).
+
+    A resume (``training.resume``) hands in its ``plans``, their ``total_steps`` and the LR
+    schedule's state (``schedule``); a fresh run plans every epoch for this world size.
+    """
+    if inputs is None:
+        inputs = load_inputs(cfg, dist, target=target, tokenizer=tokenizer, data=data)
+    target, tokenizer, data, dtype = inputs.target, inputs.tokenizer, inputs.data, inputs.dtype
+    from_store = cfg.features.store is not None
+    from_engine = cfg.engine.kind == "vllm" and not from_store
     store = _open_store(cfg, target=target, tokenizer=tokenizer, data=data, dtype=dtype) if from_store else None
-    engine = _open_engine(cfg, dist, folder=Path(folder), target=target, tokenizer=tokenizer,
+    engine = _open_engine(cfg, dist, folder=Path(inputs.folder), target=target, tokenizer=tokenizer,
                           dtype=dtype) if from_engine else None
     embed_rows = target.get_input_embeddings().weight.shape[0]
     mask_id = run_mask_token_id(cfg, tokenizer, embed_rows, data)
     # The plans use their own seeded generators: building them here draws nothing from the
     # global RNG that the drafter's initialisation below uses.
-    plans = EpochPlans(data.lengths, cfg, dist.world_size)
-    total_steps = run_steps(plans, cfg.training)
+    if plans is None:
+        plans = EpochPlans(data.lengths, cfg, dist.world_size)
+    if total_steps is None:
+        total_steps = run_steps(plans, cfg.training)
     side = build_drafter_step(cfg, dist, target, mask_token_id=mask_id, tokenizer=tokenizer,
-                              total_steps=total_steps, compute_dtype=dtype,
+                              total_steps=total_steps, schedule=schedule, compute_dtype=dtype,
                               runs_target=not (from_store or from_engine))
     return Components(cfg=cfg, dist=dist, target=side.target, tokenizer=tokenizer, data=data,
-                      data_stats=data_stats, plans=plans, drafter=side.drafter,
+                      data_stats=inputs.data_stats, plans=plans, drafter=side.drafter,
                       extractor=side.extractor, store=store, engine=engine, objective=side.objective,
                       drafter_step=side.drafter_step, total_steps=total_steps,
                       compute_dtype=dtype)

@@ -25,105 +25,32 @@ import torch
 import yaml
 
 from dflash_trainer.training.checkpoint import (
-    TRAIN_DIR, Checkpointer, ResumeError, SaveRequest, checkpoint_names, load_drafter_weights,
-    load_rank_state, load_state, load_train_state, local_part, resolve_resume, snapshot)
-from dflash_trainer.training.components import Components, build, run_progress, run_steps
-from dflash_trainer.config import Config, config_to_dict, save_config, upgrade_saved_config
-from dflash_trainer.data.buckets import Plan, build_plan
-from dflash_trainer.data.resize import Resize, ResizedPlans
+    TRAIN_DIR, Checkpointer, SaveRequest, load_drafter_weights, load_rank_state, load_state,
+    load_train_state, local_part, snapshot)
+from dflash_trainer.training.components import Components, build, load_inputs
+from dflash_trainer.config import Config, config_to_dict, save_config
 from dflash_trainer.core.distributed import (
     DistInfo, apply_training_state, check_distributed_options, checkpoint_group,
     full_model_state, init_distributed, is_dtensor, is_sharded,
     target_stop_agreement, training_state)
 from dflash_trainer.core.errors import ConfigError, EngineError, UserError
-from dflash_trainer.core.fsutil import disk_error, step_of
+from dflash_trainer.core.fsutil import disk_error
 from dflash_trainer.core.locks import FolderLock, run_folder_lock
 from dflash_trainer.model.batch import Batch
 from dflash_trainer.model.drafter import drafter_class
-from dflash_trainer.training.export import check_fits_target, export_drafter, read_drafter_config
-from dflash_trainer.training.optim import rescaled
+from dflash_trainer.training.export import export_drafter
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
 from dflash_trainer.training.pipeline.drafter_step import DrafterStep
 from dflash_trainer.training.pipeline.pipeline import PipelineSettings, TrainingPipeline, plan_metrics
 from dflash_trainer.training.pipeline.stage import GracefulStop
+from dflash_trainer.training.resume import Resume, check_run_folder, data_identity, decide
 from dflash_trainer.training.trackers import build_trackers
 
 log = logging.getLogger(__name__)
 
-# Settings a resumed run must share with its checkpoint: they decide the data order, the
-# model shape and the meaning of the saved optimizer state.
-RESUME_KEYS = ("data", "model", "pipeline.num_buckets", "pipeline.bucket_boundaries",
-               "pipeline.tokens_per_batch", "pipeline.max_batch_size", "pipeline.max_run", "pipeline.order",
-               "training.seed", "training.num_anchors", "training.grad_accum")
-# Inside RESUME_KEYS but free to change: where things are stored, not what they are.
-RESUME_FREE = frozenset({"data.cache_dir"})
 RUN_OUTPUTS = ("checkpoints", "drafter", "metrics.jsonl", "tensorboard", "wandb", "report", "eval",
                "config.yaml")
 """What a run writes into its run folder; ``--overwrite`` deletes these and nothing else."""
-
-
-def earlier_run(run_dir: Path) -> list[str]:
-    """What an earlier run left in ``run_dir`` that a fresh run would overwrite or mix with:
-    its checkpoints (complete or not), its metrics and its exported drafter."""
-    found = []
-    names = checkpoint_names(run_dir / "checkpoints")
-    if names:
-        found.append(f"checkpoints {', '.join(names)}")
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file() and metrics.stat().st_size:
-        found.append("metrics.jsonl")
-    if (run_dir / "drafter").exists():
-        found.append("drafter/")
-    return found
-
-
-def data_identity(data: Any) -> dict[str, Any] | None:
-    """What the resume check compares: a token store's content hash, its folder and size (None
-    for data passed in without a hash). A store older than the hash is hashed here, once."""
-    digest = getattr(data, "content_hash", None)
-    if digest is None:
-        return None
-    return {"sha256": digest, "store": str(getattr(data, "path", "")), "samples": len(data)}
-
-
-def check_same_data(saved: dict[str, Any] | None, current: dict[str, Any] | None, *,
-                    folder: Path) -> None:
-    """Refuse a resume whose token store content differs from the checkpoint's (a data file
-    edited in place keeps its path, so the config alone cannot tell)."""
-    if saved is None or current is None or saved["sha256"] == current["sha256"]:
-        return
-    raise ResumeError(
-        f"cannot resume from {folder}: the training data changed since the checkpoint: its token "
-        f"store held {saved['samples']} samples with content sha256 {saved['sha256'][:16]} "
-        f"({saved['store']}), the data now gives {current['samples']} samples with "
-        f"{current['sha256'][:16]} ({current['store']}); a file in data.paths was changed in "
-        f"place. Restore the data the run was started with to resume it, or start over with "
-        f"--overwrite (or another run_dir)")
-
-
-def _pick(cfg: dict[str, Any], dotted: str) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        node = node[part]
-    return node
-
-
-def _differences(old: Any, new: Any, key: str) -> list[tuple[str, Any, Any]]:
-    """(dotted key, old, new) of every leaf that differs between two config subtrees."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [diff for k in sorted(set(old) | set(new))
-                for diff in _differences(old.get(k), new.get(k), f"{key}.{k}")]
-    return [] if old == new else [(key, old, new)]
-
-
-def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Refuse a resume whose data order or model differ from the checkpoint (another world size
-    is resumed, see :mod:`dflash_trainer.data.resize`)."""
-    for key in RESUME_KEYS:
-        for leaf, old, new in _differences(_pick(saved, key), _pick(current, key), key):
-            if leaf not in RESUME_FREE:
-                raise ResumeError(f"cannot resume: {leaf} was {old!r} in the checkpoint and is "
-                                  f"{new!r} now; resume with the checkpoint's config.yaml")
 
 
 def _rng_state(device: torch.device) -> dict[str, Any]:
@@ -249,9 +176,17 @@ class Trainer:
         """``RUN_DIR/.lock``, held by rank 0 from here until :meth:`close`."""
         self._take_run_lock()
         try:
-            # Before the slow build: a refusal comes at once.
-            self._check_run_folder()
-            self.parts: Components = build(cfg, self.dist)
+            # Before the slow loading: a refusal comes at once.
+            check_run_folder(cfg, overwrite=overwrite)
+            inputs = load_inputs(cfg, self.dist)
+            # Validated before anything is built or written, so a refused resume leaves the
+            # run dir as it was.
+            self.resume: Resume = decide(cfg, self.dist, target_config=inputs.target.config,
+                                         tokenizer=inputs.tokenizer, data=inputs.data)
+            """The checkpoint this run continues (or none), its plans, total steps and schedule."""
+            self.parts: Components = build(cfg, self.dist, inputs, plans=self.resume.plans,
+                                           total_steps=self.resume.total_steps,
+                                           schedule=self.resume.schedule)
             self.data_identity = data_identity(self.parts.data)
             """The data's content hash, folder and size: saved in checkpoints, checked on resume."""
         except BaseException:
@@ -262,12 +197,7 @@ class Trainer:
         self._best = BestCheckpoint(by_eval=bool(cfg.eval.every_steps))
         self._snapshot_step: int | None = None
         """Optimizer step of the last snapshot this run took (same on every rank)."""
-        self._resizes: list[Resize] = []
-        """World size changes in the epoch being trained (resumes on another world size)."""
         try:
-            # Validated before anything is written, so a refused resume leaves the run dir as
-            # it was.
-            resume = self._read_resume()
             if self.dist.is_main:
                 if overwrite:
                     self._remove_earlier_run()
@@ -278,7 +208,7 @@ class Trainer:
             self.trackers = build_trackers(
                 cfg.logging, self.run_dir, config_dict=config_to_dict(cfg),
                 is_rank0=self.dist.is_main,
-                resume_run_id=(resume or {}).get("tracker_run_id"),
+                resume_run_id=self.resume.saved.get("tracker_run_id"),
                 total_steps=self.total_steps, max_time_s=cfg.training.max_time_s)
             self.in_training_eval = None
             if cfg.eval.every_steps and self.dist.is_main:
@@ -292,9 +222,9 @@ class Trainer:
                 settings=PipelineSettings.from_config(cfg, block_size=self.drafter.block_size),
                 trackers=self.trackers, stop_agreement=self.target_agreement,
                 engine=self.parts.engine.client if self.parts.engine is not None else None)
-            if resume is not None:
+            if self.resume.folder is not None:
                 # Last, so that nothing built after it draws from the restored RNG streams.
-                self.load_state_dict(resume)
+                self.load_checkpoint(self.resume)
         except BaseException:
             close_after_failure(self)  # the checkpointer thread and the feature hooks exist already
             raise
@@ -375,21 +305,6 @@ class Trainer:
         if self.run_lock is not None:
             self.run_lock.release()
 
-    def _check_run_folder(self) -> None:
-        """Refuse a fresh run into a folder that holds an earlier run (its checkpoints, metrics
-        or exported drafter), unless :attr:`overwrite`; refuse ``overwrite`` with a resume."""
-        resume = self.cfg.checkpoint.resume
-        if self.overwrite and resume:
-            raise ConfigError(f"--overwrite starts the run in {self.run_dir} over; it cannot be "
-                              f"combined with checkpoint.resume={resume} (drop one of them)")
-        earlier = earlier_run(self.run_dir)
-        if resume or self.overwrite or not earlier:
-            return
-        raise ResumeError(
-            f"run folder {self.run_dir} holds an earlier run ({'; '.join(earlier)}); continue it "
-            f"with --resume auto (checkpoint.resume=auto), start over with --overwrite (deletes "
-            f"them), or choose another run_dir")
-
     def _remove_earlier_run(self) -> None:
         """``--overwrite``: delete what an earlier run left in the run folder (rank 0)."""
         removed = []
@@ -408,157 +323,21 @@ class Trainer:
 
     # -- state ------------------------------------------------------------------------
 
-    def _read_resume(self) -> dict[str, Any] | None:
-        """This rank's part of ``checkpoint.resume`` (validated, checked against the config
-        and the data's content).
-
-        Rank 0 alone validates the folder (manifest, sizes, checksums) and checks it against
-        this run; it broadcasts the verdict, so the other ranks neither hash the files nor
-        report the same refusal again.
-        """
-        folder: Path | None = None
-        refusal: UserError | None = None
-        if self.dist.is_main:
-            try:
-                folder = self._choose_resume()
-            except UserError as exc:
-                refusal = exc
-        if self.dist.enabled:
-            box: list[Any] = [(None if folder is None else str(folder),
-                               None if refusal is None else (type(refusal), str(refusal)))]
-            torch.distributed.broadcast_object_list(box, src=0)
-            chosen, refused = box[0]
-            folder = None if chosen is None else Path(chosen)
-            if refused is not None and refusal is None:
-                refusal = refused[0](refused[1])
-                refusal.reported_by_rank0 = True  # type: ignore[attr-defined]
-        if refusal is not None:
-            raise refusal
-        if folder is None:
-            return None  # a fresh start (see _check_run_folder), or resume=auto with nothing saved
-        state = load_state(folder)
-        resized = state["world_size"] != self.dist.world_size
-        if resized:
-            self._resize(state)
-        elif self.dist.rank > 0:  # its own RNG streams and data position
-            own = load_rank_state(folder, self.dist.rank)
-            state.update(rng=own["rng"], prefetch=own["prefetch"])
-        fresh_total = self.total_steps  # of an uninterrupted run of this world size
-        self._use_resized_plans(state)
-        if resized:
-            cursor = state["prefetch"]
-            state["loop"]["schedule"] = rescaled(
-                step=int(state["step"]), total_steps=fresh_total, end_step=self.total_steps,
-                progress=run_progress(self.parts.plans, self.cfg.training, epoch=cursor["epoch"],
-                                      step=cursor["step"]))
-        state["train_dir"] = folder / TRAIN_DIR
-        step = int(state["step"])
-        log.info("resumed from %s at optimizer step %d", folder, step)
-        return state
-
-    def _resize(self, state: dict[str, Any]) -> None:
-        """A checkpoint of another world size (every rank, the same): the rest of the
-        interrupted epoch is dealt to this run's ranks from the global data cursor (rank 0's;
-        all ranks are at the same step), and every rank's RNG streams are reseeded from
-        (seed, step, rank), as there is no saved stream for a new rank."""
-        cursor = state["prefetch"]
-        resize = Resize(epoch=cursor["epoch"], step=cursor["step"], old=state["world_size"],
-                        new=self.dist.world_size)
-        state["resizes"] = [*(r for r in state.get("resizes", []) if r["epoch"] == resize.epoch),
-                            resize.as_dict()]
-        state["prefetch"] = {**cursor, "world_size": self.dist.world_size}
-        state["rng"] = None
-
-    def _resized_plans(self, state: dict[str, Any]) -> ResizedPlans | None:
-        """The plans with the data cursor's epoch resized (see :meth:`_resize`), or None when it
-        was not; raises ValueError if the samples left cannot feed every rank."""
-        epoch = state["prefetch"]["epoch"]
-        resizes = [Resize(**r) for r in state.get("resizes", []) if r["epoch"] == epoch]
-        if not resizes:
-            return None
-        cfg, base = self.cfg, self.parts.plans
-
-        def build(epoch: int, world_size: int) -> Plan:
-            return build_plan(base.lengths, cfg.pipeline, seed=cfg.training.seed, epoch=epoch,
-                              world_size=world_size)
-
-        plans = ResizedPlans(base, resizes, build)
-        plans(epoch)
-        return plans
-
-    def _use_resized_plans(self, state: dict[str, Any]) -> None:
-        """Plan the epoch of the data cursor as resized, if it was; the run's total steps follow."""
-        plans = self._resized_plans(state)
-        if plans is None:
-            return
-        self._resizes = plans.resizes
-        self.parts.plans = plans
-        self.parts.total_steps = run_steps(plans, self.cfg.training)
-
-    def _choose_resume(self) -> Path | None:
-        """Rank 0: the validated checkpoint folder to resume from (None: a fresh start), checked
-        against this run's config, target, data and world size."""
-        resume = self.cfg.checkpoint.resume
-        folder = resolve_resume(resume, self.ckpt_dir)
-        if folder is None:
-            return None
-        state = load_state(folder)
-        if "drafter" in state:  # the weights inside state.pt: the layout before DCP shards
-            raise ResumeError(
-                f"cannot resume from {folder}: it is a checkpoint in the earlier single-file "
-                f"layout (state.pt with the weights), which this version does not resume; start "
-                f"a new run (another run_dir, or --overwrite) from its weights with "
-                f"model.init_from={folder / 'drafter'} (the optimizer state and data position "
-                f"start over)")
-        check_resume_compatible(upgrade_saved_config(state["config"]), config_to_dict(self.cfg))
-        check_fits_target(read_drafter_config(folder / "drafter"), self.target.config, self.tokenizer,
-                          drafter=f"checkpoint.resume={folder}", target=self.cfg.model.target,
-                          fix="resume with the target it was trained on", error=ResumeError)
-        check_same_data(state.get("data"), self.data_identity, folder=folder)
-        step = int(state["step"])
-        if state["world_size"] != self.dist.world_size:
-            self._check_resize(state, folder)
-        newer = sorted(p.name for p in self.ckpt_dir.glob("step-*")
-                       if p.is_dir() and (step_of(p) or 0) > step)
-        if newer:
-            log.warning("resuming from step %d: newer checkpoints %s belong to the abandoned "
-                        "continuation and will be replaced as this run reaches their steps",
-                        step, ", ".join(newer))
-        print(f"resumed from {folder} at step {step}", flush=True)
-        return folder
-
-    def _check_resize(self, state: dict[str, Any], folder: Path) -> None:
-        """Rank 0: refuse a world size the rest of the checkpoint's epoch cannot feed; say what
-        a resume on another world size does."""
-        resized = dict(state)
-        self._resize(resized)
-        try:
-            self._resized_plans(resized)
-        except ValueError as exc:
-            raise ResumeError(f"cannot resume {folder} with {self.dist.world_size} rank(s): {exc}; "
-                              f"resume with fewer ranks, or from another checkpoint") from exc
-        epoch, step = resized["prefetch"]["epoch"], resized["prefetch"]["step"]
-        print(f"resuming a checkpoint of {state['world_size']} rank(s) with "
-              f"{self.dist.world_size}: the batches left in epoch {epoch} from step {step} on "
-              f"are dealt to the {self.dist.world_size} rank(s); later epochs are planned for "
-              f"them", flush=True)
-
     def state_dict(self) -> dict[str, Any]:
         """Everything a checkpoint holds for this rank at a step boundary, except the weights and
         the optimizer state (:meth:`training_state`, saved as DCP shards)."""
-        step_state = self.drafter_step.state_dict()
-        del step_state["optimizer"]  # in training_state
         return {
             "step": self.drafter_step.optimizer_step,
             "epoch": self.drafter_step.last_epoch,
-            "loop": step_state,  # the drafter step's state, under its key of every checkpoint
+            # The drafter step's counters and the schedule, under their key of every checkpoint.
+            "loop": {**self.drafter_step.state_dict(), "schedule": self.drafter_step.schedule.state_dict()},
             **self.pipeline.state_dict(),
             "rng": _rng_state(self.device),
             "tracker_run_id": self.trackers.run_id,
             "best": self._best.best,
             "config": config_to_dict(self.cfg),
             "world_size": self.dist.world_size,
-            "resizes": [r.as_dict() for r in self._resizes],
+            "resizes": [r.as_dict() for r in self.resume.resizes],
             "data": self.data_identity,
         }
 
@@ -567,17 +346,22 @@ class Trainer:
         FSDP): what ``train/`` of a checkpoint holds (live tensors, not a copy)."""
         return training_state(self.drafter, self.drafter_step.optimizer)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Apply a checkpoint's state: weights, optimizer and schedule (read from
-        ``state["train_dir"]``, each rank its own part), data position, run totals, RNG streams
-        and the best checkpoint so far (before :meth:`train`)."""
+    def load_checkpoint(self, resume: Resume) -> None:
+        """Load the checkpoint ``resume`` chose into the built parts (before :meth:`train`):
+        weights and optimizer (each rank its own part of ``train/``), step counters, data
+        position, run totals, RNG streams and the best checkpoint so far. The plans, the total
+        steps and the LR schedule were built from ``resume``."""
+        assert resume.folder is not None
+        saved = resume.saved
         template = self.training_state()
-        load_train_state(template, state["train_dir"], group=self.checkpoint_group)
+        load_train_state(template, resume.folder / TRAIN_DIR, group=self.checkpoint_group)
         apply_training_state(self.drafter, self.drafter_step.optimizer, template)
-        step_state = {**state["loop"], "optimizer": self.drafter_step.optimizer.state_dict()}
-        self.drafter_step.load_state_dict(step_state)
-        self.pipeline.load_state_dict(state)
-        self._best.best = state.get("best")
+        self.drafter_step.load_state_dict(saved["loop"])
+        own = ({"rng": None, "prefetch": saved["prefetch"]} if resume.resized
+               else load_state(resume.folder) if self.dist.is_main
+               else load_rank_state(resume.folder, self.dist.rank))
+        self.pipeline.load_state_dict({"prefetch": own["prefetch"], "monitor": saved["monitor"]})
+        self._best.best = saved.get("best")
         if self._best.best is not None:
             self.checkpointer.mark_best(self._best.best["step"])
         self._snapshot_step = self.drafter_step.optimizer_step
@@ -585,11 +369,11 @@ class Trainer:
             log.warning("the LR schedule of the checkpoint ends at step %d, this config at %d: the "
                         "schedule keeps the checkpoint's curve; the run stops at step %d",
                         self.drafter_step.schedule.end_step, self.total_steps, self.total_steps)
-        if state["rng"] is None:  # resumed on another world size (see _resize)
+        if own["rng"] is None:  # another world size: a new rank has no saved streams
             _reseed(self.cfg.training.seed, self.drafter_step.optimizer_step, self.dist.rank,
                     self.device)
         else:
-            _set_rng_state(state["rng"], self.device)
+            _set_rng_state(own["rng"], self.device)
 
     def save_checkpoint(self, *, eval_tau: float | None = None) -> None:
         """Snapshot between steps (main thread), then hand the write to the checkpointer.

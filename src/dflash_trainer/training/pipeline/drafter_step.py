@@ -228,14 +228,12 @@ class DrafterStep:
         self._window_start = now
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters, optimizer and schedule state (weights are saved by the trainer)."""
+        """The step counters (the weights, the optimizer and the LR schedule save their own)."""
         return {
             "optimizer_step": self.optimizer_step,
             "micro_step": self.micro_step,
             "last_epoch": self.last_epoch,
             "total_skipped": self.total_skipped,
-            "optimizer": self.optimizer.state_dict(),
-            "schedule": self.schedule.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -244,8 +242,6 @@ class DrafterStep:
         self.micro_step = int(state["micro_step"])
         self.last_epoch = int(state["last_epoch"])
         self.total_skipped = int(state["total_skipped"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.schedule.load_state_dict(state["schedule"])
 
 
 def _to_host(*windows: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
