@@ -113,8 +113,9 @@ def num_draft_tokens(folder: Path) -> int:
     return block_size - 1
 
 
-def untrained_drafter(target_dir: Path, out: Path) -> Path:
-    """Export a freshly initialised drafter (the demo config's shape) for ``target_dir``.
+def untrained_drafter(target_dir: Path, out: Path, *, variant: str | None = None) -> Path:
+    """Export a freshly initialised drafter (the demo config's shape) for ``target_dir``;
+    ``variant`` sets ``model.variant`` (default the demo config's).
 
     Serving does not depend on training: this checks loading and losslessness in seconds;
     its acceptance length is ~1.
@@ -127,7 +128,7 @@ def untrained_drafter(target_dir: Path, out: Path) -> Path:
     from dflash_trainer.training.export import export_drafter
     from dflash_trainer.model.target import resolve_mask_token_id
 
-    cfg = load_config(REPO / "configs" / "demo-cpu.yaml")
+    cfg = load_config(REPO / "configs" / "demo-cpu.yaml", [f"model.variant={variant}"] if variant else None)
     target_config = AutoConfig.from_pretrained(target_dir)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     mask_id = resolve_mask_token_id(tokenizer, int(target_config.vocab_size))
@@ -330,6 +331,8 @@ def format_report(result: dict[str, Any]) -> str:
     if result.get("domains"):
         parts.append(format_suite(result))
     parts.append(format_costs(cost_rows(result)))
+    if result.get("dspark"):
+        parts.append(format_dspark(result["dspark"]))
     return "\n\n".join(parts)
 
 
@@ -405,7 +408,8 @@ def format_llama_cpp(result: dict[str, Any]) -> str:
     """The llama.cpp table: outputs, acceptance against the project's, side-by-side speed, cost model."""
     lc, project = result["llama_cpp"], result["project_acceptance"]
     lines = [f"serve-check: {lc['engine']} | target {lc['target_gguf']} | drafter {result['drafter_name']} "
-             f"({result['drafter_source']}) as {lc['drafter_type']}, --spec-draft-n-max {lc['draft_n_max']} | "
+             f"({result['drafter_source']}) as {lc['drafter_type']}, --spec-type {lc.get('spec_type', 'draft-dflash')} "
+             f"--spec-draft-n-max {lc['draft_n_max']} | "
              f"{result['num_prompts']} {_source(result)}, max_tokens {result['max_tokens']}, greedy, batch 1",
              "",
              f"{'prompt':<8} {'identical':<10} {'tokens':>6} {'tau':>6} {'plain tok/s':>12} {'drafter tok/s':>14}"
@@ -538,6 +542,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads of the in-process runs (project eval, transformers regeneration); "
                              "default 1, as vLLM's CPU engine uses on a 2-core machine")
+    parser.add_argument("--dspark", action="store_true",
+                        help="also serve an untrained DSpark export of the demo config: llama.cpp with "
+                             "--spec-type draft-dspark (outputs against plain serving, acceptance beside the "
+                             "project's loop), and vLLM with method dspark once (its refusal is reported "
+                             "with vLLM's log line)")
     parser.add_argument("--engine", default="all", choices=["vllm", "llama.cpp", "all"],
                         help="which engines serve the drafter (default all)")
     parser.add_argument("--llama-build", default=str(default_folder()),
@@ -580,7 +589,7 @@ def run(args: argparse.Namespace) -> int:
     check_drafter(drafter)
     check_agreement(drafter, target_dir)
     num_draft = num_draft_tokens(drafter)
-    speculative = {"method": "dflash", "model": str(drafter.resolve()), "num_speculative_tokens": num_draft}
+    speculative = speculative_config(drafter, num_draft)
     prompts, prompt_domains = choose_prompts(args)
     torch.set_num_threads(args.threads)
     llama = None
@@ -599,12 +608,118 @@ def run(args: argparse.Namespace) -> int:
     if prompt_domains is not None:
         result["domains"] = domain_rows(result, report, served, prompt_domains)
     result["costs"] = cost_rows(result)
+    if args.dspark:
+        result["dspark"] = dspark_check(args, target_dir, prompts, out_dir, served)
     (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     print(format_report(result), flush=True)
     log(f"serve-check: wrote {out_dir / 'result.json'}")
     vllm_ok = all(row["identical"] for row in result.get("prompts", []))
     llama_ok = llama is None or all(p["identical"] or p["near_tie"] for p in llama["pairs"])
-    return 0 if vllm_ok and llama_ok else EXIT_MISMATCH
+    dspark = result.get("dspark") or {}
+    if not (vllm_ok and llama_ok and dspark_outputs_ok(dspark)):
+        return EXIT_MISMATCH
+    return EXIT_SERVER if dspark.get("vllm", {}).get("status") == "failed" else 0
+
+
+def speculative_config(drafter: Path, num_draft: int) -> dict[str, Any]:
+    """vLLM's ``--speculative-config`` for the export: the method of its variant (read from its
+    config.json through the variant registry) and block size - 1 draft tokens."""
+    from dflash_trainer.model.variants import variant_of_export
+
+    return {"method": variant_of_export(drafter).vllm_method, "model": str(drafter.resolve()),
+            "num_speculative_tokens": num_draft}
+
+
+# --- the DSpark export ------------------------------------------------------------------------
+
+EXPECTED_REFUSAL = "does not support"
+"""How vLLM's config checks word a refusal (``Model Runner V1 does not support: dspark
+speculative decoding`` on the CPU build): reported as refused, not a failure of the check."""
+
+
+def dspark_check(args: argparse.Namespace, target_dir: Path, prompts: Sequence[str], out_dir: Path,
+                 served: tuple[ServedRun, ServedRun] | None) -> dict[str, Any]:
+    """``--dspark``: an untrained DSpark export of the demo config (its Markov head's bias is 0,
+    so it drafts what its backbone drafts) served as the variant says (llama.cpp's
+    ``--spec-type draft-dspark``, vLLM's method ``dspark``), on the same prompts, beside the
+    project's loop. vLLM is tried once: its answers are compared with the plain server's of the
+    main check, or its refusal is recorded with the line of its log that says why."""
+    drafter = untrained_drafter(target_dir, out_dir / "drafter-untrained-dspark", variant="dspark")
+    check_drafter(drafter)
+    check_agreement(drafter, target_dir)
+    num_draft = num_draft_tokens(drafter)
+    log(f"serve-check: DSpark: {drafter}")
+    report = None if args.skip_eval else project_eval(drafter, target_dir, prompts, max_tokens=args.max_tokens,
+                                                      dtype=args.dtype)
+    section = build_result(args, target_dir, drafter, "untrained DSpark, --dspark", prompts, None, report, {},
+                           num_draft=num_draft)
+    if args.engine in ("llama.cpp", "all"):
+        section["llama_cpp"] = serve_llama(args, target_dir, drafter, prompts, out_dir / "dspark", num_draft=num_draft)
+    if args.engine in ("vllm", "all"):
+        section["vllm"] = try_vllm(args, target_dir, speculative_config(drafter, num_draft), prompts,
+                                   out_dir / "dspark", plain=served[1] if served else None)
+    return section
+
+
+def try_vllm(args: argparse.Namespace, target_dir: Path, speculative: dict[str, Any], prompts: Sequence[str],
+             out_dir: Path, *, plain: ServedRun | None) -> dict[str, Any]:
+    """One vLLM server with the drafter: ``refused`` (vLLM's config check refused the method, its
+    log line recorded), ``failed`` (any other error), or ``served`` with its acceptance and the
+    outputs identical to ``plain``'s (the plain server's answers to the same prompts)."""
+    from dflash_trainer.engines.serve_vllm import answer_prompts, start_server
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    options = VllmOptions(python=ensure_venv(Path(args.venv), log=log), dtype=args.dtype,
+                          max_model_len=args.max_model_len, port=args.port, eager=args.eager,
+                          extra_args=list(args.vllm_arg), startup_timeout_s=args.startup_timeout)
+    base = {"engine": f"{VLLM_PIN} (CPU{', eager' if args.eager else ''})", "method": speculative["method"],
+            "num_speculative_tokens": speculative["num_speculative_tokens"]}
+    try:
+        with start_server(options, target_dir, speculative, out_dir, "drafter",
+                          log=lambda line: log("serve-check: DSpark: " + line)) as server:
+            spec = answer_prompts(server, [[{"role": "user", "content": p}] for p in prompts],
+                                  max_tokens=args.max_tokens, label="drafter", speculative=True,
+                                  log=lambda line: log("serve-check: DSpark: " + line))
+    except ServerError as exc:
+        first = str(exc).partition("\n")[0]
+        reason = first.partition(" before it was ready: ")[2].rpartition("; log ")[0] or first
+        status = "refused" if EXPECTED_REFUSAL in reason else "failed"
+        log(f"serve-check: DSpark: vLLM {status}: {reason}")
+        return {**base, "status": status, "reason": reason, "log": str(out_dir / "vllm-drafter.log")}
+    counters = spec.counters
+    identical = ([same_output(s, p) for s, p in zip(spec.completions, plain.completions)]
+                 if plain is not None else None)
+    return {**base, "status": "served", "identical": identical,
+            "mean_acceptance_length": counters.mean_acceptance_length if counters else None,
+            "tokens_per_s": spec.tokens_per_s, "startup_s": spec.startup_s}
+
+
+def dspark_outputs_ok(section: dict[str, Any]) -> bool:
+    """Whether the DSpark export's outputs equal plain serving's (llama.cpp: or differ at a
+    near-tie, the engine's numerics) on every engine that served it."""
+    llama = section.get("llama_cpp")
+    vllm = section.get("vllm") or {}
+    return ((llama is None or all(p["identical"] or p["near_tie"] for p in llama["pairs"]))
+            and all(vllm.get("identical") or []))
+
+
+def format_dspark(section: dict[str, Any]) -> str:
+    """The DSpark export's lines: llama.cpp's table (as the main drafter's), then vLLM's outcome."""
+    lines = [f"serve-check: DSpark export {section['drafter_path']} ({section['drafter_source']})"]
+    if "llama_cpp" in section:
+        lines.append(format_llama_cpp(section))
+    vllm = section.get("vllm")
+    if vllm is not None:
+        head = (f"vLLM {vllm['engine']}, method {vllm['method']}, num_speculative_tokens "
+                f"{vllm['num_speculative_tokens']}")
+        if vllm["status"] == "served":
+            same = vllm["identical"]
+            lines.append(f"{head}: served, acceptance length {_f(vllm['mean_acceptance_length'])}; outputs "
+                         "identical to the plain server's: "
+                         + (f"{sum(same)}/{len(same)}" if same is not None else "n/a (no plain run)"))
+        else:
+            lines.append(f"{head}: {vllm['status'].upper()}: {vllm['reason']} (log {vllm['log']})")
+    return "\n".join(lines)
 
 
 def choose_prompts(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
@@ -627,11 +742,15 @@ def serve_llama(args: argparse.Namespace, target_dir: Path, drafter: Path, promp
     from dflash_trainer.core.assets import load_tokenizer
     from dflash_trainer.evaluation.evaluate import render_prompt
 
+    from dflash_trainer.model.variants import variant_of_export
+
     tokenizer = load_tokenizer(target_dir)
     prompt_ids = [render_prompt(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     options = LlamaCppOptions(build_dir=Path(args.llama_build), target_type=args.llama_target,
                               drafter_type=args.llama_drafter_type, draft_n_max=args.spec_draft_n_max,
+                              spec_type=variant_of_export(drafter).llama_cpp_spec_type,
                               threads=args.llama_threads, startup_timeout_s=args.startup_timeout)
+    out_dir.mkdir(parents=True, exist_ok=True)
     return run_llama_cpp(target_name=args.target, target_dir=target_dir, drafter=drafter, prompt_ids=prompt_ids,
                          prompts=prompts, max_tokens=args.max_tokens, num_draft=num_draft, options=options,
                          out_dir=out_dir, log=lambda line: log("serve-check: " + line))

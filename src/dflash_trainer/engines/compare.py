@@ -174,6 +174,9 @@ class EngineSettings:
     """vLLM's ``--dtype``."""
     llama: LlamaCppOptions
     vllm_venv: Path
+    vllm_method: str = "dflash"
+    """vLLM's speculative ``method`` for the drafter: its variant's ``vllm_method``, chosen by
+    the caller from the export's config.json (``llama.spec_type`` is llama.cpp's)."""
     startup_timeout_s: float = 1500.0
 
 
@@ -245,7 +248,7 @@ def _vllm(requests: EngineRequests, settings: EngineSettings, out_dir: Path,
     options = VllmOptions(python=settings.vllm_venv / "bin" / "python", dtype=settings.dtype,
                           max_model_len=_ctx(requests, settings.max_tokens),
                           startup_timeout_s=settings.startup_timeout_s)
-    speculative = {"method": "dflash", "model": str(settings.drafter.resolve()),
+    speculative = {"method": settings.vllm_method, "model": str(settings.drafter.resolve()),
                    "num_speculative_tokens": settings.num_draft}
     spec, plain = serve_vllm(options, settings.target_dir, speculative, requests.conversations,
                              max_tokens=settings.max_tokens, out_dir=out_dir, log=log)

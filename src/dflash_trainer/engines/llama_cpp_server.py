@@ -1,4 +1,4 @@
-"""llama.cpp's ``llama-server`` with and without a DFlash drafter: conversion, command, requests.
+"""llama.cpp's ``llama-server`` with and without a drafter: conversion, command, requests.
 
 The drafter export is converted unchanged by llama.cpp's own ``convert_hf_to_gguf.py`` (it reads
 ``architectures``, ``dflash_config.block_size``, ``mask_token_id`` and ``target_layer_ids`` from
@@ -75,13 +75,18 @@ def converted_drafter(drafter_dir: Path, target_dir: Path, cache: Path, *, build
                    log_path=cache / "convert.log", target_model_dir=target_dir)
 
 
+DEFAULT_SPEC_TYPE = "draft-dflash"
+"""``--spec-type`` of a DFlash drafter; the caller passes its drafter's variant's
+(``Variant.llama_cpp_spec_type``: this layer does not read the variant registry)."""
+
+
 def server_command(binary: Path, model: Path, *, port: int, draft: Path | None, draft_n_max: int,
-                   threads: int, ctx_size: int) -> list[str]:
-    """``llama-server`` on 127.0.0.1; with ``draft``, DFlash speculative decoding."""
+                   threads: int, ctx_size: int, spec_type: str = DEFAULT_SPEC_TYPE) -> list[str]:
+    """``llama-server`` on 127.0.0.1; with ``draft``, speculative decoding of type ``spec_type``."""
     command = [str(binary), "-m", str(model), "--host", HOST, "--port", str(port), "-t", str(threads),
                "-tb", str(threads), "-c", str(ctx_size), "-np", "1", "--no-webui", "--seed", "0"]
     if draft is not None:
-        command += ["-md", str(draft), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft_n_max),
+        command += ["-md", str(draft), "--spec-type", spec_type, "--spec-draft-n-max", str(draft_n_max),
                     "-td", str(threads), "-tbd", str(threads)]
     return command
 

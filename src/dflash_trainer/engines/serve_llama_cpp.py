@@ -29,8 +29,8 @@ from typing import Any
 import httpx
 
 from dflash_trainer.engines.llama_cpp_build import SDIST_PIN, ensure_built
-from dflash_trainer.engines.llama_cpp_server import (LlamaCompletion, complete, convert, converted_drafter,
-                                                     server_command)
+from dflash_trainer.engines.llama_cpp_server import (DEFAULT_SPEC_TYPE, LlamaCompletion, complete, convert,
+                                                     converted_drafter, server_command)
 from dflash_trainer.engines.vllm_server import VllmServer, free_port
 
 NEAR_TIE = 0.01
@@ -59,6 +59,9 @@ class LlamaCppOptions:
     """``convert_hf_to_gguf.py --outtype`` of the drafter: f32, bf16 or q8_0."""
     draft_n_max: int | None = None
     """``--spec-draft-n-max``; default the drafter's block size - 1."""
+    spec_type: str = DEFAULT_SPEC_TYPE
+    """``--spec-type`` of the drafter server: the drafter's variant's ``llama_cpp_spec_type``,
+    chosen by the caller from the export's config.json."""
     threads: int = 2
     ctx_size: int = 2048
     startup_timeout_s: float = 300.0
@@ -117,7 +120,7 @@ def run_llama_cpp(*, target_name: str, target_dir: Path, drafter: Path, prompt_i
     for label, draft_model in (("plain", None), ("drafter", draft)):
         port = free_port()
         command = server_command(binary, model, port=port, draft=draft_model, draft_n_max=n_max,
-                                 threads=options.threads, ctx_size=options.ctx_size)
+                                 threads=options.threads, ctx_size=options.ctx_size, spec_type=options.spec_type)
         servers[label] = VllmServer(command, port=port, log_path=out_dir / f"llama-cpp-{label}.log",
                                     name="llama-server")
     try:
@@ -245,7 +248,7 @@ def _summarize(rows: dict[str, Any], *, model: Path, draft: Path, n_max: int,
     return {
         "engine": f"llama.cpp from {SDIST_PIN} (CPU, {options.threads} threads)",
         "target_gguf": model.name, "target_type": options.target_type, "drafter_gguf": draft.name,
-        "drafter_type": options.drafter_type, "draft_n_max": n_max,
+        "drafter_type": options.drafter_type, "draft_n_max": n_max, "spec_type": options.spec_type,
         "pairs": pairs, "identical": len(pairs) - len(differing), "near_ties": sum(p["near_tie"] for p in differing),
         **pair_totals(pairs),
         "speedup_per_prompt": ratios, "step_cost_per_prompt": costs,

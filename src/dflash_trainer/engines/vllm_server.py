@@ -30,6 +30,26 @@ class ServerError(RuntimeError):
     """The server exited or never became ready; the message has the end of its log."""
 
 
+_PYDANTIC_REASON = re.compile(r"^\s*Value error, (.+?)(?: \[type=.*)?$")
+_EXCEPTION_REASON = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$")
+
+
+def refusal_reason(log_text: str) -> str | None:
+    """The line of a server log that says why the server stopped, or None: the last pydantic
+    ``Value error, ...`` (how vLLM's config checks refuse a method or option: ``Model Runner V1
+    does not support: ...``), else the last ``SomeError: ...`` line."""
+    lines = log_text.splitlines()
+    for line in reversed(lines):
+        match = _PYDANTIC_REASON.match(line)
+        if match:
+            return match.group(1).strip()
+    for line in reversed(lines):
+        match = _EXCEPTION_REASON.match(line.strip())
+        if match:
+            return f"{match.group(1)}: {match.group(2).strip()}"
+    return None
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -94,8 +114,10 @@ class VllmServer:
             while time.monotonic() < deadline:
                 code = self.process.poll()
                 if code is not None:
-                    raise ServerError(f"{self.name} exited with status {code} before it was ready; "
-                                      f"log {self.log_path}:\n{self.log_tail()}")
+                    reason = refusal_reason(self.log_tail(200))
+                    raise ServerError(f"{self.name} exited with status {code} before it was ready"
+                                      + (f": {reason}" if reason else "")
+                                      + f"; log {self.log_path}:\n{self.log_tail()}")
                 try:
                     if client.get(self.url + "/health").status_code == 200:
                         self.startup_s = time.monotonic() - self._started

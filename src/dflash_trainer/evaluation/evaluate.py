@@ -717,7 +717,10 @@ def compare_engines(engine: str, cfg: Config, report: EvalReport, prompts: Seque
                                                 project_domains, run_engines)
     from dflash_trainer.engines.llama_cpp_build import default_folder
     from dflash_trainer.engines.serve_llama_cpp import LlamaCppOptions
+    from dflash_trainer.model.variants import variant_of_export
 
+    # How the engines serve the drafter: its variant's speculative type (llama.cpp) and method (vLLM).
+    variant = variant_of_export(drafter_dir)
     requests = engine_requests(prompts, report, tokenizer, thinking=cfg.data.thinking, domain=domain)
     s = report.summary
     taus = {name: d["tau"] for name, d in s["domains"].items()} if s.get("domains") else {domain: s["tau"]}
@@ -725,11 +728,12 @@ def compare_engines(engine: str, cfg: Config, report: EvalReport, prompts: Seque
     # The embedded target ships a Q4_1 GGUF; any other target is converted, at full precision.
     target_type = cfg.eval.llama_cpp_target if cfg.model.target == "smollm2" else "f32"
     llama = LlamaCppOptions(build_dir=Path(cfg.eval.llama_cpp_build) if cfg.eval.llama_cpp_build else default_folder(),
-                            target_type=target_type, threads=cfg.eval.engine_threads or os.cpu_count() or 1,
+                            target_type=target_type, spec_type=variant.llama_cpp_spec_type,
+                            threads=cfg.eval.engine_threads or os.cpu_count() or 1,
                             startup_timeout_s=cfg.eval.engine_startup_timeout_s)
     settings = EngineSettings(target_name=cfg.model.target, target_dir=Path(target_path), drafter=drafter_dir,
                               num_draft=num_draft, max_tokens=cfg.eval.max_new_tokens, dtype=s["dtype"], llama=llama,
-                              vllm_venv=Path(cfg.eval.vllm_venv).absolute(),
+                              vllm_venv=Path(cfg.eval.vllm_venv).absolute(), vllm_method=variant.vllm_method,
                               startup_timeout_s=cfg.eval.engine_startup_timeout_s)
     names = engine_names(engine)
     print(f"eval: the same {len(requests.prompt_ids)} requests through {', '.join(LABELS[n] for n in names)}, "

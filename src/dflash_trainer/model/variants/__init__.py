@@ -9,7 +9,10 @@ the config schema (tests/test_variants.py checks both lists agree).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from dflash_trainer.core.errors import ConfigError
@@ -24,7 +27,7 @@ if TYPE_CHECKING:
     from dflash_trainer.model.modeling.dflash import DFlashDraftModel
 
 __all__ = ["DEFAULT", "VARIANTS", "LossTerms", "ReportLines", "SlotInputs", "TermSums", "Variant",
-           "architectures", "drafter_class", "get_variant", "titles", "variant_of"]
+           "architectures", "drafter_class", "get_variant", "titles", "variant_of", "variant_of_export"]
 
 VARIANTS: dict[str, Variant] = {variant.name: variant for variant in (DFlash(), DFlash2(), DSpark())}
 """``model.variant`` -> its variant."""
@@ -47,6 +50,14 @@ def variant_of(config: PretrainedConfig) -> Variant:
     none is known)."""
     names = list(getattr(config, "architectures", None) or [])
     return next((v for v in VARIANTS.values() if v is not DEFAULT and v.architecture in names), DEFAULT)
+
+
+def variant_of_export(folder: Path) -> Variant:
+    """The variant of an exported drafter folder, by the ``architectures`` of its
+    ``config.json`` (:func:`variant_of`): what the engines serve it as
+    (:attr:`Variant.llama_cpp_spec_type`, :attr:`Variant.vllm_method`)."""
+    config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    return variant_of(SimpleNamespace(architectures=config.get("architectures")))  # type: ignore[arg-type]
 
 
 def drafter_class(config: PretrainedConfig) -> type[DFlashDraftModel]:

@@ -17,6 +17,8 @@ loss. A :class:`Variant` declares the rest, in one module of :mod:`dflash_traine
   (top-level ``config.json`` keys), :meth:`Variant.export_section` (``dflash_config`` keys),
   :attr:`Variant.export_prefixes` (its tensors) and :attr:`Variant.modeling_files` (the files
   shipped);
+* how the engines serve its exports: :attr:`Variant.llama_cpp_spec_type` and
+  :attr:`Variant.vllm_method` (the engines' code reads them from the caller, never the registry);
 * its drafting step in the decoding loop (eval, generate, the demo): ``propose`` of
   :attr:`Variant.model_class`, which ``spec_generate`` calls once per block with the block's
   hidden states and its verified anchor token, and which returns the drafts and, when
@@ -144,6 +146,13 @@ class Variant:
     """State-dict prefixes of the variant's own tensors, exported beside ``layers.*``, ``fc``
     and the norms."""
     report: ClassVar[ReportLines] = ReportLines()
+    llama_cpp_spec_type: ClassVar[str] = "draft-dflash"
+    """``llama-server --spec-type`` that drafts with this variant's exports (converted to GGUF
+    by llama.cpp's ``convert_hf_to_gguf.py``)."""
+    vllm_method: ClassVar[str] = "dflash"
+    """vLLM's ``--speculative-config`` ``method`` for this variant's exports (with
+    ``num_speculative_tokens`` = the block size - 1: the block's first row is the verified
+    token)."""
 
     @property
     def model_class(self) -> type[DFlashDraftModel]:

@@ -236,6 +236,8 @@ class DSpark(Variant):
     # so the warm-started drafter first drafts what the DFlash one drafts.
     warm_starts_from = ("dflash", "dspark")
     export_prefixes = ("markov_head.", "confidence_head.")
+    llama_cpp_spec_type = "draft-dspark"
+    vllm_method = "dspark"
     report = ReportLines(tau={"train/tau_sim_markov": "train/tau_sim_markov (DSpark's Markov path, "
                                                       "training batches)"},
                          slot_paths={"train/acc_markov_pos/{k}": "Markov path",
