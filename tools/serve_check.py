@@ -17,16 +17,24 @@ both servers. Optional: ``--regen-check`` (the ``openai`` regeneration backend a
 plain server: a run killed mid-way, resumed, counts checked) and ``--regen-bench N``
 (regeneration through vLLM vs in-process transformers, same conversations).
 
+``--dspark`` also serves an untrained DSpark export of the demo config (its Markov head's bias is
+0): llama.cpp with ``--spec-type draft-dspark`` (the same table as the main drafter's), and vLLM
+with method ``dspark`` once: vLLM's CPU build refuses it (``Model Runner V1 does not support:
+dspark speculative decoding``), which is reported with that log line and is not a failure. Every
+drafter is served as its variant says (llama.cpp's spec type, vLLM's method: read from the
+export's ``config.json`` through the variant registry).
+
 ``--suite [DOMAINS]`` sends the first turns of ``--prompts`` prompts of each domain (default
 mtbench, humaneval, math: the prompt sets of ``dflash-trainer eval --suite``) instead of MT-Bench
 alone, and adds a table of tau per domain: the project's loop next to each engine's own
 acceptance on the same prompts.
 
-Exit status: 0 ok; 1 the outputs with and without the drafter differ (for llama.cpp: other
+Exit status: 0 ok; 1 the outputs with and without a drafter (the DSpark one's too) differ (for llama.cpp: other
 than at a near-tie of the target's top-2 tokens, which is the engine's rounding); 2 the drafter folder, its
 weights or the target are missing, or the drafter was trained for another target (vocabulary,
 hidden size or tokenizer; checked before any server starts); 3 the vLLM venv or llama.cpp could not be built; 4 an
-engine refused the drafter or did not start; 5 the regeneration check failed; 130 interrupted. The servers are
+engine refused the drafter or did not start (with ``--dspark``: vLLM failed on the DSpark export other than by a
+refusal); 5 the regeneration check failed; 130 interrupted. The servers are
 stopped (by process group) on every exit path.
 """
 
