@@ -14,7 +14,7 @@ default), synchronous saves at the same steps. For each run:
 - loop stall per save: the extra wall time of the training loop per save over the baseline,
   from the intervals between consecutive trained batches (this includes the writer thread
   competing for CPU and the GIL; it is an estimate, noisy on a shared machine);
-- the background write time (dcp.save of the shards, state.pt, drafter export, checksums,
+- the background write time (dcp.save of the training state, drafter export, checksums,
   fsync, rename).
 
 Stalls are printed in seconds and as a fraction of one baseline step. The first ``--warmup``
@@ -117,7 +117,7 @@ def main() -> None:
     step = statistics.median(base)
     print(f"drafter: {args.layers} layers, {results['async']['params'] / 1e6:.1f}M parameters; "
           f"checkpoint training state {results['async']['state_mb']:.0f} MiB (train/ shards: "
-          f"weights + AdamW moments, and state.pt)")
+          f"weights, AdamW moments and the other objects' state)")
     print(f"baseline step: median {step:.3f} s, mean {statistics.mean(base):.3f} s, "
           f"stdev {statistics.pstdev(base):.3f} s over {len(base)} steps")
     print(f"{'mode':<6} {'saves':>5} {'main-thread/save':>17} {'(steps)':>8} "

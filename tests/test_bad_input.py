@@ -68,7 +68,7 @@ def checkpoint(tmp: Path, target: Path) -> Path:
     drafter = build_drafter(ModelConfig(num_layers=1, block_size=4, target_layer_ids=[0, 1]),
                             AutoConfig.from_pretrained(target), mask_token_id=16)
     Checkpointer(tmp / "run" / "checkpoints", keep_last=2, async_save=False).save(SaveRequest(
-        step=2, state={"step": 2}, rank_states={},
+        step=2, state={"step": 2},
         export=lambda folder: export_drafter(drafter, folder, dtype=torch.float32)))
     return tmp / "run" / "checkpoints" / "step-2"
 
@@ -151,7 +151,7 @@ def _missing_weights(t: Path, d: Path) -> list[str]:
 def _corrupt_resume(t: Path, d: Path) -> list[str]:
     data = make_chat_jsonl(d / "chat.jsonl", num=8)
     ckpt = checkpoint(d, t)
-    flip_bytes(ckpt / "state.pt")
+    flip_bytes(ckpt / "train" / ".metadata")
     return train_args(t, d, data, f"checkpoint.resume={ckpt}")
 
 
@@ -396,14 +396,14 @@ def _earlier_checkpoints(t: Path, d: Path) -> list[str]:
     """A run folder with an earlier run's step-2 and step-4 but no ``latest`` pointer."""
     ck = Checkpointer(d / "run" / "checkpoints", keep_last=5, async_save=False)
     for step in (2, 4):
-        ck.save(SaveRequest(step=step, state={"step": step}, rank_states={}, export=None))
+        ck.save(SaveRequest(step=step, state={"step": step}, export=None))
     ck.close()
     (d / "run" / "checkpoints" / "latest").unlink()
     return train_args(t, d, make_chat_jsonl(d / "chat.jsonl", num=8))
 
 
 def _damaged_checkpoints_only(t: Path, d: Path) -> list[str]:
-    flip_bytes(checkpoint(d, t) / "state.pt")
+    flip_bytes(checkpoint(d, t) / "train" / ".metadata")
     return train_args(t, d, make_chat_jsonl(d / "chat.jsonl", num=8), "checkpoint.resume=auto")
 
 
@@ -491,9 +491,9 @@ def _remove_shard(ckpt: Path) -> None:
 
 
 def _remove_rank_file(ckpt: Path) -> None:
-    """As if written by 2 ranks (the manifest lists rank-1.pt), with rank 1's file lost."""
+    """As if written by 2 ranks (the manifest lists rank 1's shard), with rank 1's shard lost."""
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"]["rank-1.pt"] = {"size": 1, "sha256": "0" * 64}
+    manifest["files"]["train/__1_0.distcp"] = {"size": 1, "sha256": "0" * 64}
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -546,7 +546,7 @@ CASES = [
     Case("train: missing target", _train("model.target=/nonexistent/target"), 1,
          r"target error: .*/nonexistent/target"),
     Case("train: corrupted checkpoint to resume", _corrupt_resume, 2,
-         r"checkpoint error: checkpoint.resume=.*step-2: state.pt does not match its checksum"),
+         r"checkpoint error: checkpoint.resume=.*step-2: train/.metadata does not match its checksum"),
     Case("export: corrupted weights", _corrupt_export, 1,
          r"checkpoint error: .*step-2: drafter/model.safetensors does not match its checksum"),
     Case("export: weights missing", _missing_weights, 1,
@@ -789,7 +789,7 @@ CASES = [
          r"checkpoint error: checkpoint.resume=.*step-1: train/__0_0.distcp is missing or "
          r"truncated; the checkpoint is damaged, use an earlier one$"),
     Case("train: missing rank file", _sharded_resume(_remove_rank_file), 2,
-         r"checkpoint error: checkpoint.resume=.*step-1: rank-1.pt is missing or truncated"),
+         r"checkpoint error: checkpoint.resume=.*step-1: train/__1_0.distcp is missing or truncated"),
     Case("train: resume with another model", _sharded_resume(None, "model.num_layers=3"), 2,
          r"checkpoint error: cannot resume: model.num_layers was 1 in the checkpoint and is 3 now; "
          r"resume with the checkpoint's config.yaml$"),

@@ -19,15 +19,16 @@ import torch
 
 from dflash_trainer.training.checkpoint import (
     CheckpointError, Checkpointer, ResumeError, SaveRequest, checkpoint_names,
-    find_resume_checkpoint, load_drafter_weights, load_state, local_part, resolve_resume, snapshot,
-    validate_checkpoint)
+    TRAIN_DIR, find_resume_checkpoint, load_drafter_weights, local_part, read_state, resolve_resume,
+    snapshot, validate_checkpoint)
 from dflash_trainer.data.cache import TokenStore
 from dflash_trainer.core.errors import DiskError
 
 
 def _request(step: int, size: int = 1000) -> SaveRequest:
-    state = {"step": step, "weights": torch.full((size,), float(step))}
-    return SaveRequest(step=step, state=state, rank_states={1: {"rng": step}}, export=None)
+    state = {"run": {"all": json.dumps({"step": step})}, "rng": {"rank-0": json.dumps([step])},
+             "drafter": {"w": torch.full((size,), float(step))}}
+    return SaveRequest(step=step, state=state, export=None)
 
 
 def test_snapshot_is_a_detached_cpu_copy():
@@ -68,11 +69,9 @@ def test_save_retention_and_latest(tmp_path: Path, async_save: bool):
     assert (tmp_path / "latest").read_text() == "step-4"
     folder = find_resume_checkpoint(tmp_path)
     assert folder == tmp_path / "step-4"
-    state = load_state(folder, rank=1)
-    assert state["step"] == 4 and state["rank"] == {"rng": 4}
-    assert torch.equal(state["weights"], torch.full((1000,), 4.0))
-    with pytest.raises(CheckpointError, match="rank 2"):
-        load_state(folder, rank=2)
+    assert read_state(folder) == {"run": {"step": 4}, "rng": {0: [4]}}
+    assert read_state(folder, ("run",)) == {"run": {"step": 4}}
+    assert torch.equal(load_drafter_weights(folder)["w"], torch.full((1000,), 4.0))
 
 
 def test_corrupt_and_partial_checkpoints_are_skipped(tmp_path: Path, caplog):
@@ -80,12 +79,13 @@ def test_corrupt_and_partial_checkpoints_are_skipped(tmp_path: Path, caplog):
     ck.save(_request(1))
     ck.save(_request(2))
     # Corrupt the newest: flip bytes in place (same size).
-    data = bytearray((tmp_path / "step-2" / "state.pt").read_bytes())
+    metadata = tmp_path / "step-2" / TRAIN_DIR / ".metadata"
+    data = bytearray(metadata.read_bytes())
     data[-10] ^= 0xFF
-    (tmp_path / "step-2" / "state.pt").write_bytes(bytes(data))
+    metadata.write_bytes(bytes(data))
     # A partial folder without manifest, newer than both.
-    (tmp_path / "step-3").mkdir()
-    (tmp_path / "step-3" / "state.pt").write_bytes(b"half")
+    (tmp_path / "step-3" / TRAIN_DIR).mkdir(parents=True)
+    (tmp_path / "step-3" / TRAIN_DIR / ".metadata").write_bytes(b"half")
     with pytest.raises(CheckpointError, match="checksum"):
         validate_checkpoint(tmp_path / "step-2")
     assert find_resume_checkpoint(tmp_path) == tmp_path / "step-1"
@@ -102,7 +102,7 @@ def test_write_failure_reaches_the_training_thread(tmp_path: Path):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     ck = Checkpointer(tmp_path, keep_last=2, async_save=True)
-    ck.save(SaveRequest(step=1, state={"a": 1}, rank_states={}, export=full_disk))
+    ck.save(SaveRequest(step=1, state={"a": 1}, export=full_disk))
     with pytest.raises(DiskError, match=r"cannot write checkpoint .*step-1\.tmp: No space left"):
         ck.wait()
     assert find_resume_checkpoint(tmp_path) is None
@@ -115,12 +115,12 @@ def test_a_bug_in_the_writer_is_not_a_user_error(tmp_path: Path):
 
     ck = Checkpointer(tmp_path, keep_last=2, async_save=False)
     with pytest.raises(KeyError):
-        ck.save(SaveRequest(step=1, state={"a": 1}, rank_states={}, export=bug))
+        ck.save(SaveRequest(step=1, state={"a": 1}, export=bug))
 
 
 def test_stale_tmp_folder_is_removed_at_start_and_never_loaded(tmp_path: Path):
     Checkpointer(tmp_path, keep_last=2, async_save=False).save(
-        SaveRequest(step=1, state={"a": 1}, rank_states={}, export=None))
+        SaveRequest(step=1, state={"a": 1}, export=None))
     stale = tmp_path / "step-2.tmp"
     shutil.copytree(tmp_path / "step-1", stale)
     assert find_resume_checkpoint(tmp_path) == tmp_path / "step-1"
@@ -129,16 +129,17 @@ def test_stale_tmp_folder_is_removed_at_start_and_never_loaded(tmp_path: Path):
 
 
 WRITER = textwrap.dedent("""
-    import sys, torch
+    import json, sys, torch
     from pathlib import Path
     from dflash_trainer.training.checkpoint import Checkpointer, SaveRequest
     ck = Checkpointer(Path(sys.argv[1]), keep_last=2, async_save=True)
     step = int(sys.argv[2])
     while True:
         step += 1
-        ck.save(SaveRequest(step=step, state={"step": step, "w": torch.randn(200_000)},
-                            rank_states={}, export=None,
-                            shards={"drafter": {"w": torch.full((300_000,), float(step))}}))
+        ck.save(SaveRequest(step=step, state={"run": {"all": json.dumps({"step": step})},
+                                              "rng": {"rank-0": json.dumps(torch.randn(20).tolist())},
+                                              "drafter": {"w": torch.full((300_000,), float(step))}},
+                            export=None))
         print(step, flush=True)
 """)
 
@@ -161,13 +162,14 @@ def test_sigkill_during_writes_never_breaks_latest(tmp_path: Path):
         folder = find_resume_checkpoint(ckpt)
         if folder is None:
             continue
-        state = load_state(folder)
-        assert state["w"].shape == (200_000,)
-        # The DCP shards of the same step: complete, whatever moment the kill came at.
-        assert torch.equal(load_drafter_weights(folder)["w"], torch.full((300_000,), float(state["step"])))
+        state = read_state(folder)
+        assert len(state["rng"][0]) == 20
+        # The tensors of the same step: complete, whatever moment the kill came at.
+        step = state["run"]["step"]
+        assert torch.equal(load_drafter_weights(folder)["w"], torch.full((300_000,), float(step)))
         assert (ckpt / "latest").read_text().strip().startswith("step-")
         validate_checkpoint(ckpt / (ckpt / "latest").read_text().strip())
-        last = state["step"]
+        last = step
     assert last > 0, "no checkpoint ever completed"
 
 
@@ -175,7 +177,7 @@ def test_resume_auto_refuses_to_start_fresh_over_damaged_checkpoints(tmp_path: P
     ck = Checkpointer(tmp_path, keep_last=5, async_save=False)
     ck.save(_request(2))
     ck.close()
-    (tmp_path / "step-2" / "state.pt").write_bytes(b"damaged")
+    (tmp_path / "step-2" / TRAIN_DIR / ".metadata").write_bytes(b"damaged")
     assert checkpoint_names(tmp_path) == ["step-2", "latest"]
     with pytest.raises(ResumeError, match=r"checkpoint.resume=auto: no complete checkpoint in .*, "
                                           r"but it holds step-2, latest \(damaged or partial"):

@@ -9,7 +9,12 @@ import yaml
 
 from dflash_trainer.cli import main as cli
 from dflash_trainer.cli.main import main as cli_main
-from dflash_trainer.config import Config, ConfigError, TrainingConfig, load_config, save_config
+import logging
+
+from dflash_trainer.config import (EQUAL, MAY_CHANGE, RECOMPUTED, Config, ConfigError, TrainingConfig, config_to_dict,
+                                   load_config, option_resume_rules, save_config)
+from dflash_trainer.training.checkpoint import ResumeError
+from dflash_trainer.training.resume import check_resume_compatible
 
 
 def test_defaults_follow_the_reference_recipe():
@@ -136,3 +141,32 @@ def test_cli_help_documents_options(capsys):
     out = capsys.readouterr().out
     assert "training.lr = 0.0006" in out
     assert "Linear warmup" in out
+
+
+def test_every_option_declares_how_it_resumes():
+    """A new option must say whether a resume may change it: left undeclared, it would resume
+    silently with, say, another data order. Declare it in its section's ``@resume_rules``."""
+    rules = option_resume_rules()
+    undeclared = [key for key, rule in rules.items() if rule is None]
+    assert not undeclared, f"options without a resume rule (config.py @resume_rules): {undeclared}"
+    assert set(rules.values()) == {EQUAL, MAY_CHANGE, RECOMPUTED}
+    # What decides the data order, the model and the meaning of the saved state stays equal.
+    assert {key for key, rule in rules.items() if rule == EQUAL} >= {
+        "data.paths", "model.num_layers", "training.seed", "training.grad_accum", "training.num_anchors",
+        "pipeline.tokens_per_batch", "pipeline.num_buckets", "pipeline.order"}
+    assert rules["data.cache_dir"] == rules["training.lr"] == MAY_CHANGE
+    assert rules["training.epochs"] == rules["distributed.drafter"] == RECOMPUTED
+
+
+def test_a_resume_refuses_an_equal_option_that_changed_and_takes_the_others(caplog):
+    caplog.set_level(logging.INFO)
+    saved = config_to_dict(load_config())
+    check_resume_compatible(saved, config_to_dict(load_config(None, [
+        "training.lr=1e-3", "data.cache_dir=/elsewhere", "training.epochs=9"])))
+    assert "training.epochs was 6 in the checkpoint and is 9 now" in caplog.text
+    with pytest.raises(ResumeError, match=r"^cannot resume: training.grad_accum was 1 in the checkpoint and "
+                                          r"is 2 now; resume with the checkpoint's config.yaml$"):
+        check_resume_compatible(saved, config_to_dict(load_config(None, ["training.grad_accum=2"])))
+    # An option the saved config lacks (added later) counts as unset.
+    del saved["model"]["markov_rank"]
+    check_resume_compatible(saved, config_to_dict(load_config()))

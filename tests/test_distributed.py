@@ -45,7 +45,7 @@ from dflash_trainer.config import (DistributedConfig, ModelConfig, PipelineConfi
                                    load_config)
 from dflash_trainer.data.buckets import Plan, Step, build_plan
 from dflash_trainer.training.checkpoint import (
-    load_drafter_weights, load_train_state, local_part, save_train_state, snapshot)
+    load_drafter_weights, load_train_state, local_part, read_state, save_train_state, snapshot)
 from dflash_trainer.core.distributed import (
     DistInfo, all_reduce_sum, apply_training_state, check_distributed_options, close_distributed,
     gather_objects, init_distributed, training_state, wrap_drafter, wrap_target)
@@ -523,7 +523,10 @@ def test_torchrun_two_ranks(ddp_run):
     assert losses[-1] < losses[0]
     ckpt = ddp_run / "checkpoints"
     assert {p.name for p in ckpt.iterdir() if p.is_dir()} == {"step-3", "step-6", "step-8"}
-    assert (ckpt / "step-3" / "rank-1.pt").is_file()
+    # One DCP state: each rank's data position and RNG streams under its own key, no pickles.
+    assert {p.name for p in (ckpt / "step-3").iterdir()} == {"train", "drafter", "config.yaml", "manifest.json"}
+    state = read_state(ckpt / "step-3")
+    assert set(state["data"]) == set(state["rng"]) == {0, 1} and state["run"]["world_size"] == 2
     # DDP replicas: each rank wrote about half of the (replicated) weights and AdamW state.
     sizes = [p.stat().st_size for p in sorted((ckpt / "step-3" / "train").glob("*.distcp"))]
     assert len(sizes) == 2 and min(sizes) > 0.3 * sum(sizes)

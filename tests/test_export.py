@@ -112,7 +112,7 @@ def test_transformers_alone_loads_it_with_no_missing_keys(tmp_path):
 
 def _checkpoint(tmp_path: Path, drafter) -> Path:
     ck = Checkpointer(tmp_path / "checkpoints", keep_last=2, async_save=False)
-    ck.save(SaveRequest(step=3, state={"step": 3}, rank_states={},
+    ck.save(SaveRequest(step=3, state={"step": 3},
                         export=lambda folder: export.export_drafter(drafter, folder,
                                                                     dtype=torch.float32)))
     return tmp_path / "checkpoints" / "step-3"

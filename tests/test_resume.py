@@ -22,7 +22,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from dflash_trainer.training.checkpoint import (
     TRAIN_DIR, CheckpointError, Checkpointer, ResumeError, SaveRequest, _write_manifest,
-    load_drafter_weights, load_state, validate_checkpoint)
+    load_drafter_weights, read_state, validate_checkpoint)
 from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.config import load_config
 from dflash_trainer.training.export import load_drafter
@@ -91,7 +91,7 @@ def runs(setup: dict[str, Path]) -> dict[str, Any]:
         first, first_trainer = train(overrides(setup, split_dir, "logging.wandb=offline"),
                                      stop_after_steps=STOP_AT)
         stop_metrics = metrics(split_dir)
-        stop_state = load_state(split_dir / "checkpoints" / f"step-{STOP_AT}")
+        stop_state = read_state(split_dir / "checkpoints" / f"step-{STOP_AT}")
         second, second_trainer = train(overrides(setup, split_dir, "logging.wandb=offline",
                                                  "checkpoint.resume=auto"))
     return {"full_dir": full_dir, "split_dir": split_dir, "full": full, "first": first,
@@ -116,7 +116,7 @@ def test_resumed_run_trains_the_same_batches_with_bitwise_equal_losses(runs):
                    if k.startswith("data/bucket/") and k.endswith("/trained"))
     produced = sum(r.get("pipe/queue/batches/puts", 0) for r in runs["stop_metrics"])
     assert last["step"] == STOP_AT and consumed == STOP_AT and produced > STOP_AT
-    assert runs["stop_state"]["prefetch"]["step"] == STOP_AT
+    assert runs["stop_state"]["data"][0]["step"] == STOP_AT
     # Bitwise: losses, gradient norms and learning rates per step, then the final weights.
     full_m, split_m = metrics(runs["full_dir"]), metrics(runs["split_dir"])
     for key in ("train/loss", "train/grad_norm", "train/lr"):
@@ -134,24 +134,26 @@ def test_resumed_run_trains_the_same_batches_with_bitwise_equal_losses(runs):
 def test_checkpoint_holds_the_training_state_and_a_servable_drafter(runs):
     state = runs["stop_state"]
     folder = runs["split_dir"] / "checkpoints"
-    assert state["step"] == STOP_AT and state["epoch"] == 0
-    loop = state["loop"]
-    assert loop["optimizer_step"] == STOP_AT and loop["schedule"]["step_count"] == STOP_AT
-    # Weights and AdamW moments are DCP shards in train/, not in state.pt.
-    assert "optimizer" not in loop and "drafter" not in state
+    run = state["run"]
+    assert run["step"] == STOP_AT and run["epoch"] == 0
+    assert state["counters"]["optimizer_step"] == STOP_AT and state["schedule"]["step_count"] == STOP_AT
+    # One DCP folder holds everything: weights, AdamW moments and the objects' JSON; no pickles.
     latest = folder / (folder / "latest").read_text().strip()
+    assert sorted(p.name for p in latest.iterdir()) == ["config.yaml", "drafter", "manifest.json", TRAIN_DIR]
     keys = FileSystemReader(latest / TRAIN_DIR).read_metadata().state_dict_metadata
     assert any(k.startswith("optimizer.state.") and k.endswith(".exp_avg_sq") for k in keys), \
         "AdamW moments missing"
     assert any(k.startswith("drafter.") for k in keys)
-    assert set(state["rng"]) >= {"python", "numpy", "torch"}
-    assert state["tracker_run_id"] == runs["first_trainer"].trackers.run_id
+    assert {k for k in keys if not k.startswith(("drafter.", "optimizer."))} == {
+        "schedule.all", "counters.all", "data.rank-0", "monitor.all", "rng.rank-0", "run.all"}
+    assert set(state["rng"][0]) >= {"python", "numpy", "torch"}
+    assert run["tracker_run_id"] == runs["first_trainer"].trackers.run_id
     assert state["monitor"]["totals"]["train/samples_total"] > 0
-    assert state["best"]["metric"] == "train/loss" and state["best"]["step"] <= STOP_AT
-    assert state["world_size"] == 1
+    assert run["best"]["metric"] == "train/loss" and run["best"]["step"] <= STOP_AT
+    assert run["world_size"] == 1
     store = runs["first_trainer"].parts.data
-    assert state["data"] == {"sha256": store.content_hash, "store": str(store.path),
-                             "samples": len(store)}
+    assert run["data"] == {"sha256": store.content_hash, "store": str(store.path),
+                           "samples": len(store)}
     # The drafter folder is the z-lab export (bf16) of the same weights.
     drafter = load_drafter(latest / "drafter")
     exported = drafter.state_dict()
@@ -170,14 +172,13 @@ def test_retention_keeps_the_last_checkpoints_and_the_best(runs):
     assert names == {f"step-{total - total % 3}", f"step-{total}", f"step-{best['step']}"}
     # Each checkpoint records the best so far; the value only ever improves.
     for name in names:
-        assert load_state(folder / name)["best"]["value"] >= best["value"]
+        assert read_state(folder / name)["run"]["best"]["value"] >= best["value"]
 
 
 def test_checkpointer_best_replaces_the_previous_best(tmp_path: Path):
     ck = Checkpointer(tmp_path, keep_last=1, async_save=False)
     for step, best in ((1, True), (2, False), (3, True), (4, False)):
-        ck.save(SaveRequest(step=step, state={"step": step}, rank_states={}, export=None,
-                            best=best))
+        ck.save(SaveRequest(step=step, state={"step": step}, export=None, best=best))
     ck.close()
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step-3", "step-4"]
 
@@ -216,27 +217,32 @@ def test_refused_resumes_exit_2_with_the_reason(runs, setup, tmp_path: Path, cap
                                             "checkpoint.resume=auto")))
 
 
-def test_a_checkpoint_of_the_single_file_layout_says_how_to_continue(runs, setup, tmp_path: Path,
-                                                                    capsys):
-    """A checkpoint written before the DCP shards (the weights inside state.pt) is refused with
-    one line naming the warm start that continues from its weights."""
+@pytest.mark.parametrize("layout", ["single file", "state.pt beside train"])
+def test_a_checkpoint_of_an_earlier_layout_says_how_to_continue(runs, setup, tmp_path: Path, capsys,
+                                                                layout: str):
+    """Checkpoints written before the one DCP state (the weights inside state.pt; or weights and
+    AdamW in train/ with the rest pickled in state.pt and rank-R.pt) are refused with one line
+    naming the warm start that continues from their weights."""
     old = tmp_path / "old"
     ckpt = runs["split_dir"] / "checkpoints"
     shutil.copytree(ckpt / (ckpt / "latest").read_text(), old)
-    state = torch.load(old / "state.pt", weights_only=False)
-    torch.save({**state, "drafter": load_drafter_weights(old)}, old / "state.pt")
-    shutil.rmtree(old / TRAIN_DIR)
+    state = {"step": STOP_AT, "config": {}}
+    if layout == "single file":
+        state["drafter"] = load_drafter_weights(old)
+        shutil.rmtree(old / TRAIN_DIR)
+    torch.save(state, old / "state.pt")
     (old / "manifest.json").unlink()
-    _write_manifest(old, state["step"])
+    _write_manifest(old, STOP_AT)
     assert cli_main(["train", *overrides(setup, tmp_path / "run", f"checkpoint.resume={old}")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (
         f"dflash-trainer train: checkpoint error: cannot resume from {old}: it is a checkpoint in "
-        f"the earlier single-file layout (state.pt with the weights), which this version does not "
-        f"resume; start a new run (another run_dir, or --overwrite) from its weights with "
-        f"model.init_from={old / 'drafter'} (the optimizer state and data position start over)")
-    assert cli_main(["train", *overrides(setup, tmp_path / "warm", f"model.init_from={old / 'drafter'}",
-                                         "training.max_steps=1")]) == 0
+        f"an earlier layout (state.pt), which this version does not resume; start a new run "
+        f"(another run_dir, or --overwrite) from its weights with model.init_from={old / 'drafter'} "
+        f"(the optimizer state and data position start over)")
+    if layout == "single file":
+        assert cli_main(["train", *overrides(setup, tmp_path / "warm", f"model.init_from={old / 'drafter'}",
+                                             "training.max_steps=1")]) == 0
 
 
 def test_corrupt_latest_checkpoint_is_skipped_by_the_trainer(runs, setup, tmp_path: Path,
@@ -245,7 +251,7 @@ def test_corrupt_latest_checkpoint_is_skipped_by_the_trainer(runs, setup, tmp_pa
     shutil.copytree(runs["full_dir"], run_dir)
     ckpt = run_dir / "checkpoints"
     total = runs["full_trainer"].total_steps
-    state_file = ckpt / f"step-{total}" / "state.pt"
+    state_file = ckpt / f"step-{total}" / TRAIN_DIR / ".metadata"
     data = bytearray(state_file.read_bytes())
     data[len(data) // 2] ^= 0xFF
     state_file.write_bytes(bytes(data))
@@ -276,7 +282,7 @@ def test_a_fresh_run_never_overwrites_an_earlier_runs_checkpoints(setup, tmp_pat
     run_dir = tmp_path / "run"
     ck = Checkpointer(run_dir / "checkpoints", keep_last=5, async_save=False)
     for step in (2, 4):
-        ck.save(SaveRequest(step=step, state={"step": step}, rank_states={}, export=None))
+        ck.save(SaveRequest(step=step, state={"step": step}, export=None))
     ck.close()
     (run_dir / "checkpoints" / "latest").unlink()
     before = _files(run_dir)
@@ -304,7 +310,7 @@ def test_a_resume_over_data_edited_in_place_is_refused(setup, tmp_path: Path, ca
     args = [*tiny_run_overrides(target=setup["target"], data=data, cache=tmp_path / "cache",
                                 run_dir=tmp_path / "run"), "checkpoint.every_steps=1"]
     assert cli_main(["train", *args, "training.max_steps=2"]) == 0
-    state = load_state(tmp_path / "run" / "checkpoints" / "step-2")
+    state = read_state(tmp_path / "run" / "checkpoints" / "step-2")["run"]
     make_chat_jsonl(data, num=24, seed=1)  # same path, other records
     capsys.readouterr()
     assert cli_main(["train", *args, "checkpoint.resume=auto"]) == 2

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from dflash_trainer.training.checkpoint import find_resume_checkpoint, load_state, validate_checkpoint
+from dflash_trainer.training.checkpoint import find_resume_checkpoint, read_state, validate_checkpoint
 from dflash_trainer.config import load_config
 from dflash_trainer.training.export import load_drafter
 from dflash_trainer.model.target import FeatureExtractor
@@ -164,10 +164,10 @@ def test_signal_finishes_the_step_checkpoints_closes_and_exits_0(setup, tmp_path
     assert steps == list(range(1, last + 1)) and last < 14, "whole steps only, stopped early"
     ckpt = run_dir / "checkpoints"
     assert latest_step(ckpt) == last
-    state = load_state(ckpt / f"step-{last}")
-    assert state["loop"]["optimizer_step"] == last and state["prefetch"]["stream_index"] == last
+    state = read_state(ckpt / f"step-{last}")
+    assert state["counters"]["optimizer_step"] == last and state["data"][0]["stream_index"] == last
     if wandb:
-        run_id = state["tracker_run_id"]
+        run_id = state["run"]["tracker_run_id"]
         run_file = next((run_dir / "wandb").glob(f"offline-run-*-{run_id}")) / f"run-{run_id}.wandb"
         kinds = wait_for(lambda: (k := wandb_record_kinds(run_file)) and "exit" in k and k,
                          15, "the W&B exit record")
@@ -196,7 +196,7 @@ def test_sigkill_at_random_moments_then_resume_auto(setup, tmp_path: Path):
         folder = find_resume_checkpoint(ckpt)
         assert folder == ckpt / (ckpt / "latest").read_text().strip(), "latest is not complete"
         validate_checkpoint(folder)
-        assert load_state(folder)["step"] == latest_step(ckpt)
+        assert read_state(folder)["run"]["step"] == latest_step(ckpt)
         load_drafter(folder / "drafter")
         resumed_from.append(latest_step(ckpt))
     log = tmp_path / "log-final.txt"
@@ -246,7 +246,7 @@ def test_stage_failure_fails_fast_with_the_original_error_and_no_threads(
     assert not leftover, leftover
     # Steps before the failure were checkpointed and stay loadable.
     folder = find_resume_checkpoint(tmp_path / "run" / "checkpoints")
-    assert folder is not None and load_state(folder)["step"] >= 1
+    assert folder is not None and read_state(folder)["run"]["step"] >= 1
 
     # The same failure through the CLI in its own process: exit 1 with the message.
     log = tmp_path / "log.txt"

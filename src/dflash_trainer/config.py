@@ -26,8 +26,9 @@ import yaml
 from dflash_trainer.core.errors import ConfigError
 from dflash_trainer.core.inputs import check_input
 
-__all__ = ["COUNT_MAX", "DURATION_MAX_S", "TOKENS_MAX", "Config", "ConfigError", "Range", "check_text",
-           "is_numeric", "load_config", "option_ranges", "ranged", "save_config", "upgrade_saved_config"]
+__all__ = ["COUNT_MAX", "DURATION_MAX_S", "EQUAL", "MAY_CHANGE", "RECOMPUTED", "TOKENS_MAX", "Config", "ConfigError",
+           "Range", "check_text", "is_numeric", "load_config", "option_ranges", "option_resume_rules", "ranged",
+           "resume_rules", "save_config", "upgrade_saved_config"]
 
 COUNT_MAX = 10**9
 """Upper bound of counts that have no natural one (steps, records, prompts): no run comes near
@@ -115,7 +116,38 @@ def ranged(default: Any, *, ge: float | None = None, gt: float | None = None, le
     return field(default=default, metadata={"range": Range(ge=ge, gt=gt, le=le, lt=lt, none=none, why=why,
                                                            unique=unique)})
 
+EQUAL = "equal"
+"""Resume rule: the value decides the data order, the model or the meaning of the saved state; a
+resume with another value is refused."""
+MAY_CHANGE = "may change"
+"""Resume rule: the resumed run reads the value afresh; nothing saved depends on it."""
+RECOMPUTED = "recomputed"
+"""Resume rule: may change; what the checkpoint derived from it is recomputed for the new value
+(the run's end from ``training.epochs``, the sharding of the saved state from
+``distributed.drafter``)."""
 
+
+def resume_rules(*, equal: tuple[str, ...] = (), may_change: tuple[str, ...] = (),
+                 recomputed: tuple[str, ...] = ()) -> Any:
+    """Class decorator (above ``@dataclass``): how each field of a config section resumes, kept
+    in the field's metadata under ``"resume"`` (:data:`EQUAL`, :data:`MAY_CHANGE`,
+    :data:`RECOMPUTED`); ``training.resume`` checks a checkpoint's config by them, and
+    ``tests/test_config.py`` fails for a field without one."""
+    def declare(cls: type) -> type:
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for rule, names in ((EQUAL, equal), (MAY_CHANGE, may_change), (RECOMPUTED, recomputed)):
+            for name in names:
+                f = fields[name]  # a name that is no field fails here, at import
+                assert "resume" not in f.metadata, f"{cls.__name__}.{name} has two resume rules"
+                f.metadata = types.MappingProxyType({**f.metadata, "resume": rule})
+        return cls
+    return declare
+
+
+
+@resume_rules(equal=("paths", "format", "max_length", "on_too_long", "min_supervised_tokens", "on_error",
+                     "thinking", "last_turn_only", "max_samples", "heldout_samples"),
+              may_change=("cache_dir",))
 @dataclass(kw_only=True)
 class DataConfig:
     """Where the chat data comes from and how it becomes training samples."""
@@ -146,6 +178,10 @@ class DataConfig:
     """Tokenized cache location; default ``$XDG_CACHE_HOME/dflash-trainer/tokens``."""
 
 
+@resume_rules(equal=("target", "num_layers", "block_size", "target_layer_ids", "mask_token_id",
+                     "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "attention",
+                     "dtype", "drafter_init", "variant", "selector_rank", "selector_top_k", "conv_group_size",
+                     "markov_rank", "enable_confidence_head", "init_from"))
 @dataclass(kw_only=True)
 class ModelConfig:
     """The frozen target and the drafter built for it."""
@@ -215,6 +251,12 @@ class ModelConfig:
     ``model.drafter_init`` other than random."""
 
 
+@resume_rules(equal=("seed", "num_anchors", "grad_accum"),
+              recomputed=("epochs", "max_steps"),
+              may_change=("max_time_s", "lr", "betas", "eps", "weight_decay", "warmup_ratio", "warmup_steps",
+                          "schedule", "decay_ratio", "min_lr", "grad_clip", "gamma", "loss_slots", "labels",
+                          "loss_chunk_size", "noise_std", "noise_warmup_steps", "max_nonfinite_steps",
+                          "selector_weight", "selector_missing", "markov_weight"))
 @dataclass(kw_only=True)
 class TrainingConfig:
     """Objective, optimizer and schedule."""
@@ -284,6 +326,11 @@ class TrainingConfig:
     alone (the Markov head then keeps its zero bias)."""
 
 
+@resume_rules(equal=("num_buckets", "bucket_boundaries", "tokens_per_batch", "max_batch_size", "max_run",
+                     "order"),
+              recomputed=("device",),
+              may_change=("prefetch_workers", "batch_queue_size", "feature_queue_size", "num_threads",
+                          "target_threads", "round_shapes"))
 @dataclass(kw_only=True)
 class PipelineConfig:
     """Batching and the threaded pipeline."""
@@ -323,6 +370,8 @@ class PipelineConfig:
     the drafter attends with FlexAttention (CUDA). The loss is the same either way."""
 
 
+@resume_rules(may_change=("every_steps", "every_s", "wandb", "wandb_project", "wandb_entity", "run_name",
+                          "tags", "tensorboard", "console"))
 @dataclass(kw_only=True)
 class LoggingConfig:
     """Metrics and trackers."""
@@ -339,6 +388,7 @@ class LoggingConfig:
     console: bool = True
 
 
+@resume_rules(may_change=("every_steps", "every_minutes", "keep_last", "resume", "async_save"))
 @dataclass(kw_only=True)
 class CheckpointConfig:
     """Periodic asynchronous checkpoints and resume."""
@@ -351,6 +401,9 @@ class CheckpointConfig:
     async_save: bool = True
 
 
+@resume_rules(may_change=("prompts", "suite", "suite_prompts", "num_prompts", "max_new_tokens", "temperature",
+                          "every_steps", "in_training_prompts", "first_turn_only", "engine_threads",
+                          "engine_startup_timeout_s", "llama_cpp_build", "llama_cpp_target", "vllm_venv"))
 @dataclass(kw_only=True)
 class EvalConfig:
     """Speculative-decoding evaluation."""
@@ -383,6 +436,7 @@ class EvalConfig:
     """The vLLM virtualenv of ``eval --engine vllm`` (``make serve-check`` builds it)."""
 
 
+@resume_rules(recomputed=("drafter", "target"), may_change=("backend", "timeout_s"))
 @dataclass(kw_only=True)
 class DistributedConfig:
     """torch.distributed wrapping (launch with torchrun)."""
@@ -395,6 +449,7 @@ class DistributedConfig:
     the rank fails with an error naming it, instead of waiting forever for a stuck rank."""
 
 
+@resume_rules(may_change=("store", "dtype", "shard_mb"))
 @dataclass(kw_only=True)
 class FeaturesConfig:
     """The feature store: the target's features computed once (``dflash-trainer features``) and
@@ -409,6 +464,8 @@ class FeaturesConfig:
     """Target size of one shard file of ``features`` in MiB."""
 
 
+@resume_rules(may_change=("kind", "url", "venv", "exchange_dir", "max_inflight", "request_timeout_s",
+                          "startup_timeout_s", "enforce_eager", "extra_args"))
 @dataclass(kw_only=True)
 class EngineConfig:
     """Who runs the target's forward for ``train`` and ``features`` (docs/features.md, "The
@@ -440,6 +497,7 @@ class EngineConfig:
     """More command-line arguments for a started server (``--tensor-parallel-size 4`` ...)."""
 
 
+@resume_rules(may_change=("run_dir",))
 @dataclass(kw_only=True)
 class Config:
     """The root run configuration."""
@@ -476,6 +534,20 @@ def option_ranges(cls: type = Config, prefix: str = "") -> dict[str, tuple[Any, 
             out.update(option_ranges(tp, f"{prefix}{f.name}."))
         else:
             out[f"{prefix}{f.name}"] = (tp, f.metadata.get("range"))
+    return out
+
+
+@functools.cache
+def option_resume_rules(cls: type = Config, prefix: str = "") -> dict[str, str | None]:
+    """Dotted key -> resume rule (see :func:`resume_rules`; None: none declared) of every leaf
+    option, in the order of the config (read-only)."""
+    out: dict[str, str | None] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out.update(option_resume_rules(hints[f.name], f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = f.metadata.get("resume")
     return out
 
 

@@ -55,7 +55,7 @@ class Resize:
     new: int
 
     def as_dict(self) -> dict[str, int]:
-        """For the checkpoint's ``state.pt``."""
+        """For the checkpoint's run record."""
         return dataclasses.asdict(self)
 
 

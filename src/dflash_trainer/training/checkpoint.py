@@ -3,10 +3,9 @@
 Layout under ``RUN_DIR/checkpoints``::
 
     step-N/            a complete checkpoint (renamed into place only once fully written)
-      train/           drafter weights and AdamW state: a torch.distributed.checkpoint (DCP)
-                       folder, one shard file per rank plus its ``.metadata``
-      state.pt         the rest of rank 0's state (schedule, counters, data cursor, RNG, run totals)
-      rank-R.pt        per-rank state (RNG, data cursor) for R > 0
+      train/           the whole training state (``training.state``): one
+                       torch.distributed.checkpoint (DCP) folder, one shard file per rank plus
+                       its ``.metadata``
       drafter/         the drafter in the z-lab export format (servable as is)
       config.yaml      the run configuration the checkpoint was written with
       manifest.json    file sizes and SHA-256 of every file above, written last
@@ -51,6 +50,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dflash_trainer.core.errors import EXIT_USAGE, CheckpointError, DiskError, UserError
+from dflash_trainer.training.state import JSON_SECTIONS
 from dflash_trainer.core.fsutil import (
     atomic_write_text,
     disk_oserror,
@@ -68,8 +68,8 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 MANIFEST = "manifest.json"
 LATEST = "latest"
 TRAIN_DIR = "train"
-"""The DCP folder of a checkpoint: drafter weights (``drafter.*``) and AdamW state
-(``optimizer.*``)."""
+"""The DCP folder of a checkpoint: the training state of ``training.state`` (drafter weights
+under ``drafter.*``, AdamW state under ``optimizer.*``, the other objects' JSON)."""
 _TRASH = ".deleting"
 WRITER_NICE = 10
 """Niceness of the writer thread (Linux): the training threads win the CPU when both want it."""
@@ -315,24 +315,27 @@ def resolve_resume(resume: str | None, ckpt_dir: Path) -> Path | None:
     return folder
 
 
-def load_state(folder: Path, rank: int = 0) -> dict[str, Any]:
-    """Load ``state.pt`` (and ``rank-R.pt`` of ``rank`` > 0 as ``state["rank"]``: its RNG and
-    data position) from a checkpoint folder that :func:`resolve_resume` (or
-    :func:`validate_checkpoint`) validated: the checksums are checked there, once. The weights
-    and optimizer state are in ``train/`` (:func:`load_train_state`,
-    :func:`load_drafter_weights`)."""
-    state = torch.load(folder / "state.pt", map_location="cpu", weights_only=False, mmap=True)
-    if rank > 0:
-        state["rank"] = load_rank_state(folder, rank)
+def read_state(folder: Path, sections: tuple[str, ...] = JSON_SECTIONS) -> dict[str, Any]:
+    """The JSON objects of the training state in checkpoint ``folder`` (validated by
+    :func:`resolve_resume` or :func:`validate_checkpoint`), read in this process alone: a
+    section saved for all ranks as its object, a per-rank section as ``{rank: object}``.
+    ``sections`` chooses them (see ``training.state``); the tensors stay on disk."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    reader = dcp.FileSystemReader(Path(folder) / TRAIN_DIR)
+    template: dict[str, Any] = {
+        key: None for key, meta in reader.read_metadata().state_dict_metadata.items()
+        if isinstance(meta, BytesStorageMetadata) and key.split(".", 1)[0] in sections}
+    if template:
+        dcp.load(template, storage_reader=reader, no_dist=True)
+    state: dict[str, Any] = {}
+    for key, text in template.items():
+        section, part = key.split(".", 1)
+        if part == "all":
+            state[section] = json.loads(text)
+        else:
+            state.setdefault(section, {})[int(part.removeprefix("rank-"))] = json.loads(text)
     return state
-
-
-def load_rank_state(folder: Path, rank: int) -> dict[str, Any]:
-    """``rank-R.pt`` of ``rank`` > 0: its RNG states and data position."""
-    rank_file = folder / f"rank-{rank}.pt"
-    if not rank_file.is_file():
-        raise CheckpointError(f"{folder}: no state for rank {rank} (different world size?)")
-    return torch.load(rank_file, map_location="cpu", weights_only=False)
 
 
 @dataclass(kw_only=True)
@@ -341,17 +344,14 @@ class SaveRequest:
 
     step: int
     state: dict[str, Any]
-    """``state.pt`` (rank 0)."""
-    rank_states: dict[int, Any]
-    """``rank-R.pt`` contents by rank (rank 0)."""
+    """This rank's part of the training state (see :func:`local_part`), written to ``train/``
+    with DCP (every rank)."""
     export: Callable[[Path], None] | None
-    """Writes the servable drafter folder (runs on the writer thread)."""
+    """Writes the servable drafter folder (runs on rank 0's writer thread)."""
     best: bool = False
     """Mark this checkpoint best once written (kept beyond ``keep_last``)."""
     files: dict[str, str] = field(default_factory=dict)
-    """Small text files to write into the folder (name -> content)."""
-    shards: dict[str, Any] | None = None
-    """This rank's part of the training state, written to ``train/`` with DCP (every rank)."""
+    """Small text files to write into the folder (name -> content; rank 0)."""
 
 
 class Checkpointer:
@@ -467,8 +467,8 @@ class Checkpointer:
         try:
             if self.rank == 0:
                 self._write_folder(request, tmp)
-            elif request.shards is not None:
-                save_train_state(request.shards, tmp / TRAIN_DIR, group=self.group)
+            else:
+                save_train_state(request.state, tmp / TRAIN_DIR, group=self.group)
         except (OSError, RuntimeError, CheckpointException) as exc:
             if self.rank == 0:  # the other ranks' dcp.save has returned (or failed) by now
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -486,12 +486,8 @@ class Checkpointer:
         # Other ranks may have created it already (their dcp.save); a stale one was removed
         # when this checkpointer started.
         tmp.mkdir(exist_ok=True)
-        if request.shards is not None:
-            # Returns once every rank's shards are written and fsynced, and .metadata too.
-            save_train_state(request.shards, tmp / TRAIN_DIR, group=self.group)
-        _save(request.state, tmp / "state.pt")
-        for rank, rank_state in request.rank_states.items():
-            _save(rank_state, tmp / f"rank-{rank}.pt")
+        # Returns once every rank's shards are written and fsynced, and .metadata too.
+        save_train_state(request.state, tmp / TRAIN_DIR, group=self.group)
         for name, text in request.files.items():
             (tmp / name).write_text(text)
         if request.export is not None:
@@ -522,13 +518,6 @@ class Checkpointer:
         for folder in self.ckpt_dir.iterdir():
             if folder.is_dir() and folder.name.endswith((".tmp", _TRASH)):
                 shutil.rmtree(folder, ignore_errors=True)
-
-
-def _save(obj: Any, path: Path) -> None:
-    # Through a Python file object, a full disk surfaces as OSError(ENOSPC); given a path,
-    # torch reports it as an opaque RuntimeError about stream positions.
-    with open(path, "wb") as f:
-        torch.save(obj, f)
 
 
 def _disk_problem(folder: Path, exc: BaseException) -> str | None:

@@ -20,27 +20,18 @@ from typing import Any
 
 import torch
 
-from dflash_trainer.config import Config, config_to_dict, upgrade_saved_config
+from dflash_trainer.config import EQUAL, MAY_CHANGE, Config, config_to_dict, option_resume_rules, upgrade_saved_config
 from dflash_trainer.core.distributed import DistInfo
 from dflash_trainer.core.errors import ConfigError, UserError
 from dflash_trainer.core.fsutil import step_of
 from dflash_trainer.data.buckets import Plan, build_plan
 from dflash_trainer.data.resize import Resize, ResizedPlans
-from dflash_trainer.training.checkpoint import ResumeError, checkpoint_names, load_state, resolve_resume
+from dflash_trainer.training.checkpoint import ResumeError, checkpoint_names, read_state, resolve_resume
 from dflash_trainer.training.components import EpochPlans, run_progress, run_steps
 from dflash_trainer.training.export import check_fits_target, read_drafter_config
 from dflash_trainer.training.optim import rescaled
 
 log = logging.getLogger(__name__)
-
-# Settings a resumed run must share with its checkpoint: they decide the data order, the
-# model shape and the meaning of the saved optimizer state.
-RESUME_KEYS = ("data", "model", "pipeline.num_buckets", "pipeline.bucket_boundaries",
-               "pipeline.tokens_per_batch", "pipeline.max_batch_size", "pipeline.max_run", "pipeline.order",
-               "training.seed", "training.num_anchors", "training.grad_accum")
-# Inside RESUME_KEYS but free to change: where things are stored, not what they are.
-RESUME_FREE = frozenset({"data.cache_dir"})
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Resume:
@@ -48,8 +39,11 @@ class Resume:
 
     folder: Path | None
     """The validated checkpoint folder; None: a fresh run."""
-    saved: dict[str, Any]
-    """The checkpoint's state (``state.pt``, rank 0's; empty for a fresh run)."""
+    run: dict[str, Any]
+    """The checkpoint's run record (``training.state``'s ``run``: step, epoch, config, world
+    size, resizes, data identity, best checkpoint, tracker run id); empty for a fresh run."""
+    cursor: dict[str, Any] | None
+    """The data cursor: rank 0's prefetcher position, for this run's world size (None: fresh)."""
     plans: EpochPlans | ResizedPlans
     """Every epoch's plan for this run."""
     total_steps: int
@@ -65,12 +59,7 @@ class Resume:
     @property
     def step(self) -> int:
         """Optimizer steps done (0 for a fresh run)."""
-        return int(self.saved.get("step", 0))
-
-    @property
-    def cursor(self) -> dict[str, Any] | None:
-        """The data cursor (rank 0's prefetcher state), for this run's world size."""
-        return self.saved.get("prefetch")
+        return int(self.run.get("step", 0))
 
 
 def earlier_run(run_dir: Path) -> list[str]:
@@ -129,42 +118,53 @@ def check_same_data(saved: dict[str, Any] | None, current: dict[str, Any] | None
 
 
 def _pick(cfg: dict[str, Any], dotted: str) -> Any:
+    """The value of ``dotted`` in a config dict (None where a saved config lacks it)."""
     node: Any = cfg
     for part in dotted.split("."):
-        node = node[part]
+        node = node.get(part) if isinstance(node, dict) else None
     return node
 
 
-def _differences(old: Any, new: Any, key: str) -> list[tuple[str, Any, Any]]:
-    """(dotted key, old, new) of every leaf that differs between two config subtrees."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        return [diff for k in sorted(set(old) | set(new))
-                for diff in _differences(old.get(k), new.get(k), f"{key}.{k}")]
-    return [] if old == new else [(key, old, new)]
+def _leaves(cfg: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys of the leaves of a config dict."""
+    return [leaf for key, value in cfg.items()
+            for leaf in (_leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])]
 
 
 def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any]) -> None:
-    """Refuse a resume whose data order or model differ from the checkpoint (another world size
-    is resumed, see :mod:`dflash_trainer.data.resize`)."""
-    for key in RESUME_KEYS:
-        for leaf, old, new in _differences(_pick(saved, key), _pick(current, key), key):
-            if leaf not in RESUME_FREE:
-                raise ResumeError(f"cannot resume: {leaf} was {old!r} in the checkpoint and is "
-                                  f"{new!r} now; resume with the checkpoint's config.yaml")
+    """Refuse a resume whose config differs from the checkpoint's in an option that must stay
+    :data:`~dflash_trainer.config.EQUAL` (the data order, the model, the meaning of the saved
+    state), naming the first; say which :data:`~dflash_trainer.config.RECOMPUTED` ones changed.
+    Each option declares its rule in ``config.py``; another world size is resumed (see
+    :mod:`dflash_trainer.data.resize`)."""
+    known = option_resume_rules()
+    # An option this version does not know (not mapped by upgrade_saved_config): whether it
+    # mattered cannot be told, so it counts as one that must stay equal.
+    rules = {**known, **{key: EQUAL for key in _leaves(saved) if key not in known}}
+    for key, rule in rules.items():
+        old, new = _pick(saved, key), _pick(current, key)
+        if old == new or rule == MAY_CHANGE:
+            continue
+        if rule == EQUAL:
+            now = f"is {new!r} now" if key in known else "is no option of this version"
+            raise ResumeError(f"cannot resume: {key} was {old!r} in the checkpoint and {now}; "
+                              f"resume with the checkpoint's config.yaml")
+        log.info("resume: %s was %r in the checkpoint and is %r now; what depends on it is "
+                 "recomputed", key, old, new)
 
 
-def _plans(cfg: Config, lengths: Any, world_size: int, saved: dict[str, Any]) -> tuple[Any, list[Resize], bool]:
-    """The run's plans from the checkpoint's ``saved`` state: (plans, the resizes of the data
-    cursor's epoch, whether this resume changes the world size). Raises ValueError when the
+def _plans(cfg: Config, lengths: Any, world_size: int, run: dict[str, Any],
+           cursor: dict[str, Any] | None) -> tuple[Any, list[Resize], bool]:
+    """The run's plans from the checkpoint's run record and data cursor: (plans, the resizes of
+    the cursor's epoch, whether this resume changes the world size). Raises ValueError when the
     samples left in that epoch cannot feed every rank."""
     plans = EpochPlans(lengths, cfg, world_size)
-    if not saved:
+    if cursor is None:
         return plans, [], False
-    cursor = saved["prefetch"]
-    resizes = [Resize(**r) for r in saved.get("resizes", []) if r["epoch"] == cursor["epoch"]]
-    resized = saved["world_size"] != world_size
+    resizes = [Resize(**r) for r in run["resizes"] if r["epoch"] == cursor["epoch"]]
+    resized = run["world_size"] != world_size
     if resized:
-        resizes.append(Resize(epoch=cursor["epoch"], step=cursor["step"], old=saved["world_size"],
+        resizes.append(Resize(epoch=cursor["epoch"], step=cursor["step"], old=run["world_size"],
                               new=world_size))
     if not resizes:
         return plans, [], False
@@ -177,36 +177,43 @@ def _plans(cfg: Config, lengths: Any, world_size: int, saved: dict[str, Any]) ->
     return resized_plans, resizes, resized
 
 
+def _refuse_old_layout(folder: Path) -> None:
+    """A checkpoint of an earlier layout (``state.pt`` beside or instead of ``train/``) does not
+    resume: one line with the way to continue from its weights."""
+    if not (folder / "state.pt").exists():
+        return
+    raise ResumeError(
+        f"cannot resume from {folder}: it is a checkpoint in an earlier layout (state.pt), which "
+        f"this version does not resume; start a new run (another run_dir, or --overwrite) from its "
+        f"weights with model.init_from={folder / 'drafter'} (the optimizer state and data position "
+        f"start over)")
+
+
 def _choose(cfg: Config, dist: DistInfo, *, target_config: Any, tokenizer: Any,
             data: Any) -> tuple[Path | None, dict[str, Any]]:
-    """Rank 0: the validated checkpoint folder to resume from and its state (None, {}: a fresh
-    start), checked against this run's config, target, data and world size."""
+    """Rank 0: the validated checkpoint folder to resume from and what the verdict needs of its
+    state (None, {}: a fresh start), checked against this run's config, target, data and world
+    size."""
     ckpt_dir = Path(cfg.run_dir) / "checkpoints"
     folder = resolve_resume(cfg.checkpoint.resume, ckpt_dir)
     if folder is None:
         return None, {}
-    state = load_state(folder)
-    if "drafter" in state:  # the weights inside state.pt: the layout before DCP shards
-        raise ResumeError(
-            f"cannot resume from {folder}: it is a checkpoint in the earlier single-file "
-            f"layout (state.pt with the weights), which this version does not resume; start "
-            f"a new run (another run_dir, or --overwrite) from its weights with "
-            f"model.init_from={folder / 'drafter'} (the optimizer state and data position "
-            f"start over)")
-    check_resume_compatible(upgrade_saved_config(state["config"]), config_to_dict(cfg))
+    _refuse_old_layout(folder)
+    saved = read_state(folder, ("run", "schedule", "data"))
+    run, cursor = saved["run"], saved["data"][0]
+    check_resume_compatible(upgrade_saved_config(run["config"]), config_to_dict(cfg))
     check_fits_target(read_drafter_config(folder / "drafter"), target_config, tokenizer,
                       drafter=f"checkpoint.resume={folder}", target=cfg.model.target,
                       fix="resume with the target it was trained on", error=ResumeError)
-    check_same_data(state.get("data"), data_identity(data), folder=folder)
-    step = int(state["step"])
-    if state["world_size"] != dist.world_size:
+    check_same_data(run["data"], data_identity(data), folder=folder)
+    step = int(run["step"])
+    if run["world_size"] != dist.world_size:
         try:
-            _plans(cfg, data.lengths, dist.world_size, state)
+            _plans(cfg, data.lengths, dist.world_size, run, cursor)
         except ValueError as exc:
             raise ResumeError(f"cannot resume {folder} with {dist.world_size} rank(s): {exc}; "
                               f"resume with fewer ranks, or from another checkpoint") from exc
-        cursor = state["prefetch"]
-        print(f"resuming a checkpoint of {state['world_size']} rank(s) with {dist.world_size}: "
+        print(f"resuming a checkpoint of {run['world_size']} rank(s) with {dist.world_size}: "
               f"the batches left in epoch {cursor['epoch']} from step {cursor['step']} on are "
               f"dealt to the {dist.world_size} rank(s); later epochs are planned for them", flush=True)
     newer = sorted(p.name for p in ckpt_dir.glob("step-*") if p.is_dir() and (step_of(p) or 0) > step)
@@ -215,14 +222,13 @@ def _choose(cfg: Config, dist: DistInfo, *, target_config: Any, tokenizer: Any,
                     "continuation and will be replaced as this run reaches their steps",
                     step, ", ".join(newer))
     print(f"resumed from {folder} at step {step}", flush=True)
-    # The other ranks read their own streams; this verdict is broadcast.
-    return folder, {key: value for key, value in state.items() if key != "rng"}
+    return folder, {"run": run, "schedule": saved["schedule"], "cursor": cursor}
 
 
 def _verdict(cfg: Config, dist: DistInfo, *, target_config: Any, tokenizer: Any,
              data: Any) -> tuple[Path | None, dict[str, Any]]:
     """Rank 0's choice (:func:`_choose`), the same on every rank: one broadcast of the folder
-    and its state, or of the refusal, which every rank raises (printed by rank 0 alone)."""
+    and what it read, or of the refusal, which every rank raises (printed by rank 0 alone)."""
     chosen: tuple[Path | None, dict[str, Any]] = (None, {})
     refusal: UserError | None = None
     if dist.is_main:
@@ -247,17 +253,19 @@ def decide(cfg: Config, dist: DistInfo, *, target_config: Any, tokenizer: Any, d
     with a :class:`ResumeError` on every rank, or the plans, total steps and LR schedule state
     that ``components.build`` builds with."""
     folder, saved = _verdict(cfg, dist, target_config=target_config, tokenizer=tokenizer, data=data)
-    plans, resizes, resized = _plans(cfg, data.lengths, dist.world_size, saved)
+    run, cursor = saved.get("run", {}), saved.get("cursor")
+    plans, resizes, resized = _plans(cfg, data.lengths, dist.world_size, run, cursor)
     total = run_steps(plans, cfg.training)
     if folder is None:
-        return Resume(folder=None, saved={}, plans=plans, total_steps=total, schedule=None, resizes=[])
-    schedule = saved["loop"]["schedule"]
+        return Resume(folder=None, run={}, cursor=None, plans=plans, total_steps=total, schedule=None,
+                      resizes=[])
+    assert cursor is not None
+    schedule = saved["schedule"]
     if resized:
-        cursor = saved["prefetch"]
-        schedule = rescaled(step=int(saved["step"]), total_steps=run_steps(plans.plans, cfg.training),
+        schedule = rescaled(step=int(run["step"]), total_steps=run_steps(plans.plans, cfg.training),
                             end_step=total, progress=run_progress(plans, cfg.training, epoch=cursor["epoch"],
                                                                   step=cursor["step"]))
-        saved = {**saved, "prefetch": {**cursor, "world_size": dist.world_size}}
-    log.info("resuming from %s at optimizer step %d", folder, int(saved["step"]))
-    return Resume(folder=folder, saved=saved, plans=plans, total_steps=total, schedule=schedule,
+        cursor = {**cursor, "world_size": dist.world_size}
+    log.info("resuming from %s at optimizer step %d", folder, int(run["step"]))
+    return Resume(folder=folder, run=run, cursor=cursor, plans=plans, total_steps=total, schedule=schedule,
                   resizes=resizes, resized=resized)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import random
 import shutil
 import signal
 import time
@@ -20,19 +19,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 import yaml
 
 from dflash_trainer.training.checkpoint import (
-    TRAIN_DIR, Checkpointer, SaveRequest, load_drafter_weights, load_rank_state, load_state,
-    load_train_state, local_part, snapshot)
+    TRAIN_DIR, Checkpointer, SaveRequest, load_drafter_weights, local_part, snapshot)
 from dflash_trainer.training.components import Components, build, load_inputs
 from dflash_trainer.config import Config, config_to_dict, save_config
 from dflash_trainer.core.distributed import (
-    DistInfo, apply_training_state, check_distributed_options, checkpoint_group,
+    DistInfo, check_distributed_options, checkpoint_group,
     full_model_state, init_distributed, is_dtensor, is_sharded,
-    target_stop_agreement, training_state)
+    target_stop_agreement)
 from dflash_trainer.core.errors import ConfigError, EngineError, UserError
 from dflash_trainer.core.fsutil import disk_error
 from dflash_trainer.core.locks import FolderLock, run_folder_lock
@@ -44,6 +42,7 @@ from dflash_trainer.training.pipeline.drafter_step import DrafterStep
 from dflash_trainer.training.pipeline.pipeline import PipelineSettings, TrainingPipeline, plan_metrics
 from dflash_trainer.training.pipeline.stage import GracefulStop
 from dflash_trainer.training.resume import Resume, check_run_folder, data_identity, decide
+from dflash_trainer.training.state import PER_RANK, DrafterWeights, JsonState, OptimizerState, RngStreams
 from dflash_trainer.training.trackers import build_trackers
 
 log = logging.getLogger(__name__)
@@ -51,32 +50,6 @@ log = logging.getLogger(__name__)
 RUN_OUTPUTS = ("checkpoints", "drafter", "metrics.jsonl", "tensorboard", "wandb", "report", "eval",
                "config.yaml")
 """What a run writes into its run folder; ``--overwrite`` deletes these and nothing else."""
-
-
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def _reseed(seed: int, step: int, rank: int, device: torch.device) -> None:
-    """Seed Python, NumPy and torch (CPU and CUDA) RNGs from (seed, step, rank)."""
-    value = int(np.random.SeedSequence([seed % 2**63, step, rank]).generate_state(1)[0])
-    random.seed(value)
-    np.random.seed(value)
-    torch.manual_seed(value)
-    if device.type == "cuda":
-        torch.cuda.manual_seed(value)
 
 
 class BestCheckpoint:
@@ -135,6 +108,27 @@ def any_rank(flags: list[bool], dist: DistInfo) -> list[bool]:
     torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
     return [v > 0 for v in values.tolist()]
 
+
+
+class RunRecord:
+    """What a checkpoint records of the run besides the state of its parts (``run`` in
+    :mod:`~dflash_trainer.training.state`): read by rank 0 to decide a resume before the build
+    (``training.resume``), loaded from that decision."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step, epoch, config, world size, resizes, data identity, best checkpoint, tracker id."""
+        t = self.trainer
+        return {"step": t.drafter_step.optimizer_step, "epoch": t.drafter_step.last_epoch,
+                "config": config_to_dict(t.cfg), "world_size": t.dist.world_size,
+                "resizes": [r.as_dict() for r in t.resume.resizes], "data": t.data_identity,
+                "best": t.best, "tracker_run_id": t.trackers.run_id}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The best checkpoint so far (the tracker run id and the rest went into the build)."""
+        self.trainer._best.best = state.get("best")
 
 
 class EvaluatorFactory(Protocol):
@@ -197,6 +191,10 @@ class Trainer:
         self._best = BestCheckpoint(by_eval=bool(cfg.eval.every_steps))
         self._snapshot_step: int | None = None
         """Optimizer step of the last snapshot this run took (same on every rank)."""
+        self.rng = RngStreams(self.dist.device)
+        """This process's random streams, saved per rank."""
+        self.record = RunRecord(self)
+        """What a checkpoint records of the run (see :meth:`state_dict`)."""
         try:
             if self.dist.is_main:
                 if overwrite:
@@ -208,7 +206,7 @@ class Trainer:
             self.trackers = build_trackers(
                 cfg.logging, self.run_dir, config_dict=config_to_dict(cfg),
                 is_rank0=self.dist.is_main,
-                resume_run_id=self.resume.saved.get("tracker_run_id"),
+                resume_run_id=self.resume.run.get("tracker_run_id"),
                 total_steps=self.total_steps, max_time_s=cfg.training.max_time_s)
             self.in_training_eval = None
             if cfg.eval.every_steps and self.dist.is_main:
@@ -324,44 +322,34 @@ class Trainer:
     # -- state ------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a checkpoint holds for this rank at a step boundary, except the weights and
-        the optimizer state (:meth:`training_state`, saved as DCP shards)."""
+        """The checkpoint: a dict of objects that save and load their own state (see
+        :mod:`dflash_trainer.training.state`), live, for ``dcp.save`` and ``dcp.load``. Those
+        of ``data`` and ``rng`` hold this rank's part only."""
+        rank = self.dist.rank
         return {
-            "step": self.drafter_step.optimizer_step,
-            "epoch": self.drafter_step.last_epoch,
-            # The drafter step's counters and the schedule, under their key of every checkpoint.
-            "loop": {**self.drafter_step.state_dict(), "schedule": self.drafter_step.schedule.state_dict()},
-            **self.pipeline.state_dict(),
-            "rng": _rng_state(self.device),
-            "tracker_run_id": self.trackers.run_id,
-            "best": self._best.best,
-            "config": config_to_dict(self.cfg),
-            "world_size": self.dist.world_size,
-            "resizes": [r.as_dict() for r in self.resume.resizes],
-            "data": self.data_identity,
+            "drafter": DrafterWeights(self.drafter),
+            "optimizer": OptimizerState(self.drafter, self.drafter_step.optimizer),
+            "schedule": JsonState(self.drafter_step.schedule),
+            "counters": JsonState(self.drafter_step),
+            "data": JsonState(self.pipeline.prefetcher, rank=rank),
+            "monitor": JsonState(self.pipeline.monitor),
+            "rng": JsonState(self.rng, rank=rank),
+            "run": JsonState(self.record),
         }
 
-    def training_state(self) -> dict[str, Any]:
-        """The drafter's weights and AdamW state as this rank holds them (its shards under
-        FSDP): what ``train/`` of a checkpoint holds (live tensors, not a copy)."""
-        return training_state(self.drafter, self.drafter_step.optimizer)
-
     def load_checkpoint(self, resume: Resume) -> None:
-        """Load the checkpoint ``resume`` chose into the built parts (before :meth:`train`):
-        weights and optimizer (each rank its own part of ``train/``), step counters, data
-        position, run totals, RNG streams and the best checkpoint so far. The plans, the total
-        steps and the LR schedule were built from ``resume``."""
-        assert resume.folder is not None
-        saved = resume.saved
-        template = self.training_state()
-        load_train_state(template, resume.folder / TRAIN_DIR, group=self.checkpoint_group)
-        apply_training_state(self.drafter, self.drafter_step.optimizer, template)
-        self.drafter_step.load_state_dict(saved["loop"])
-        own = ({"rng": None, "prefetch": saved["prefetch"]} if resume.resized
-               else load_state(resume.folder) if self.dist.is_main
-               else load_rank_state(resume.folder, self.dist.rank))
-        self.pipeline.load_state_dict({"prefetch": own["prefetch"], "monitor": saved["monitor"]})
-        self._best.best = saved.get("best")
+        """Load the checkpoint ``resume`` chose into the built parts (before :meth:`train`), one
+        ``dcp.load`` in which each rank reads its own part: weights and optimizer, step counters,
+        run totals, and on the same world size its data position and RNG streams (on another,
+        the global data cursor and streams reseeded from seed, step and rank). The plans, the
+        total steps and the LR schedule were built from ``resume``, which also holds the run
+        record (best checkpoint, tracker run id)."""
+        assert resume.folder is not None and resume.cursor is not None
+        skip = {"schedule", "run", *(("data", "rng") if resume.resized else ())}
+        objects = {key: value for key, value in self.state_dict().items() if key not in skip}
+        dcp.load(objects, storage_reader=dcp.FileSystemReader(resume.folder / TRAIN_DIR),
+                 process_group=self.checkpoint_group, no_dist=self.checkpoint_group is None)
+        self.record.load_state_dict(resume.run)
         if self._best.best is not None:
             self.checkpointer.mark_best(self._best.best["step"])
         self._snapshot_step = self.drafter_step.optimizer_step
@@ -369,11 +357,9 @@ class Trainer:
             log.warning("the LR schedule of the checkpoint ends at step %d, this config at %d: the "
                         "schedule keeps the checkpoint's curve; the run stops at step %d",
                         self.drafter_step.schedule.end_step, self.total_steps, self.total_steps)
-        if own["rng"] is None:  # another world size: a new rank has no saved streams
-            _reseed(self.cfg.training.seed, self.drafter_step.optimizer_step, self.dist.rank,
-                    self.device)
-        else:
-            _set_rng_state(own["rng"], self.device)
+        if resume.resized:  # a new rank has no saved position or streams
+            self.pipeline.prefetcher.load_state_dict(resume.cursor)
+            self.rng.reseed(self.cfg.training.seed, self.drafter_step.optimizer_step, self.dist.rank)
 
     def save_checkpoint(self, *, eval_tau: float | None = None) -> None:
         """Snapshot between steps (main thread), then hand the write to the checkpointer.
@@ -385,28 +371,22 @@ class Trainer:
         self._snapshot_step = step
         score = eval_tau if self._best.metric == "eval/tau" else self.drafter_step.loss_since_checkpoint()
         is_best = self.dist.is_main and self._best.update(score, step)
-        full = self.state_dict()
-        # This rank's shards only: under DDP the replicated tensors are split between ranks.
-        shards = snapshot(local_part(self.training_state(), self.dist.rank, self.dist.world_size))
-        rank_states: dict[int, Any] = {}
-        if self.dist.enabled:
-            gathered: list[Any] = [None] * self.dist.world_size
-            torch.distributed.all_gather_object(
-                gathered, {"rng": full["rng"], "prefetch": full["prefetch"]})
-            rank_states = {r: s for r, s in enumerate(gathered) if r > 0}
+        state = {key: value.state_dict() for key, value in self.state_dict().items()}
+        # This rank's part only: under DDP the replicated tensors are split between ranks;
+        # rank 0 writes the JSON of the objects saved for all ranks, each rank its own.
+        shared = local_part({k: v for k, v in state.items() if k not in PER_RANK}, self.dist.rank,
+                            self.dist.world_size)
+        part = snapshot({**shared, **{k: v for k, v in state.items() if k in PER_RANK}})
         if not self.dist.is_main:
-            self.checkpointer.save(SaveRequest(step=step, state={}, rank_states={}, export=None,
-                                               shards=shards))
+            self.checkpointer.save(SaveRequest(step=step, state=part, export=None))
             return
-        state = snapshot(full)
         drafter_config = self.drafter.config
         target_config = self.target.config
 
         # The whole weights this rank snapshotted (all of them alone or under DDP with one
         # rank); the export reads the others back from the shards just written, in bf16, so
         # that rank 0 never holds the whole fp32 state.
-        own = {key: value for key, value in shards.get("drafter", {}).items()
-               if not is_dtensor(value)}
+        own = {key: value for key, value in part.get("drafter", {}).items() if not is_dtensor(value)}
 
         def export(path: Path) -> None:
             weights = load_drafter_weights(path.parent, dtype=torch.bfloat16, skip=frozenset(own))
@@ -419,9 +399,8 @@ class Trainer:
             export_drafter(model, path, target_config=target_config)
 
         self.checkpointer.save(SaveRequest(
-            step=step, state=state, rank_states=rank_states, export=export, best=is_best,
-            files={"config.yaml": yaml.safe_dump(state["config"], sort_keys=False)},
-            shards=shards))
+            step=step, state=part, export=export, best=is_best,
+            files={"config.yaml": yaml.safe_dump(config_to_dict(self.cfg), sort_keys=False)}))
 
     # -- the run ------------------------------------------------------------------------
 

@@ -162,15 +162,6 @@ class TrainingPipeline:
         """Every stage's window metrics (resets the windows), without logging them."""
         return self.supervisor.get_metrics()
 
-    def state_dict(self) -> dict[str, Any]:
-        """The data position (first batch not trained on) and the monitor's run totals."""
-        return {"prefetch": self.prefetcher.state_dict(), "monitor": self.monitor.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (before entering)."""
-        self.prefetcher.load_state_dict(state["prefetch"])
-        self.monitor.load_state_dict(state["monitor"])
-
 
 def plan_metrics(plan: Plan) -> dict[str, float]:
     """The plan statistics of one epoch, as logged metrics (``plan/*``)."""
