@@ -45,11 +45,13 @@ def _owned(relative: str) -> bool:
 
 
 def _allowed_lines(source: str) -> set[int]:
-    """The lines of config.py's :data:`CONFIG_ALLOWED` definitions."""
+    """The lines of config.py's :data:`CONFIG_ALLOWED` definitions, their decorators included
+    (a section's resume rules name its options)."""
     lines: set[int] = set()
     for node in ast.parse(source).body:
         if isinstance(node, (ast.ClassDef, ast.FunctionDef)) and node.name in CONFIG_ALLOWED:
-            lines |= set(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            lines |= set(range(first, (node.end_lineno or node.lineno) + 1))
     return lines
 
 
