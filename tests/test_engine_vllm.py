@@ -291,3 +291,16 @@ def test_the_committed_comparison_meets_its_stated_tolerances():
     assert result["label_agreement"] >= TOLERANCES["label_agreement"]
     assert len(result["throughput"]["rounds"]) >= 4  # both arms, alternating, load recorded
     assert all("load_before" in r for r in result["throughput"]["rounds"])
+
+
+def test_the_committed_training_rows_agree_within_the_seed_spread():
+    """300 demo steps online from vLLM and from the in-process target (seed 0), and in-process
+    with seed 1: vLLM's tau lies within the two seeds' spread of the same seed's, and every
+    evaluated output is lossless."""
+    rows = {(r["arm"], r["seed"]): r for r in json.loads(RESULT.read_text())["training"]}
+    served, local, other = rows["vllm", 0], rows["in_process", 0], rows["in_process", 1]
+    assert served["steps"] == local["steps"] == other["steps"] == 300
+    assert abs(served["tau"] - local["tau"]) <= abs(local["tau"] - other["tau"])
+    for row in rows.values():
+        assert row["lossless_failures"] == 0 and row["lossless_identical"] + row["lossless_numerics"] == 20, row
+        assert row["steps_per_s"] > 0 and "load_before" in row["train"]
