@@ -109,3 +109,30 @@ def load_with_transformers_alone(folder: Path, inputs: dict[str, torch.Tensor],
     assert result.returncode == 0, result.stderr[-3000:]
     info = json.loads(result.stdout.strip().splitlines()[-1])
     return info.pop("class"), info, torch.load(work / "out.pt")
+
+
+def train_recording(args: list[str], *, on_batch: Any = None, **kwargs: Any) -> tuple[list[tuple], Any]:
+    """A run of the real Trainer on the config of ``args``: the (epoch, step, sample ids) of every
+    batch it trained on, and the closed Trainer; ``on_batch`` also hears each batch."""
+    from dflash_trainer.config import load_config
+    from dflash_trainer.training.trainer import Trainer
+
+    records: list[tuple] = []
+    trainer = Trainer(load_config(None, args))
+
+    def record(batch: Any) -> None:
+        records.append((batch.epoch, batch.step, tuple(batch.sample_ids.tolist())))
+        if on_batch is not None:
+            on_batch(batch)
+
+    try:
+        trainer.train(on_batch=record, **kwargs)
+    finally:
+        trainer.close()
+    return records, trainer
+
+
+def run_losses(run_dir: Path) -> dict[int, float]:
+    """``train/loss`` of every logged step of a run folder's ``metrics.jsonl``."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}

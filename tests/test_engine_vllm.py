@@ -31,7 +31,8 @@ from dflash_trainer.features.build import build_store
 from dflash_trainer.features.engine import EngineLayout, engine_command, start_engine
 from dflash_trainer.features.store import FeatureStore
 from dflash_trainer.training.trainer import Trainer
-from helpers_e2e import make_chat_jsonl, make_tiny_target, tiny_run_overrides
+from helpers_e2e import make_chat_jsonl, make_tiny_target, run_losses as losses, tiny_run_overrides
+from helpers_e2e import train_recording as train
 
 VENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
 SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -112,28 +113,6 @@ def overrides(setup: dict[str, Any], run_dir: Path, *extra: str) -> list[str]:
 
 def via(engine: Any, setup: dict[str, Any]) -> list[str]:
     return ["engine.kind=vllm", f"engine.url={engine.url}", f"engine.exchange_dir={setup['exchange']}"]
-
-
-def train(args: list[str], **kwargs: Any) -> tuple[list[tuple], Trainer]:
-    records: list[tuple] = []
-    trainer = Trainer(load_config(None, args))
-    on_batch = kwargs.pop("on_batch", None)
-
-    def record(batch: Any) -> None:
-        records.append((batch.epoch, batch.step, tuple(batch.sample_ids.tolist())))
-        if on_batch is not None:
-            on_batch(batch)
-
-    try:
-        trainer.train(on_batch=record, **kwargs)
-    finally:
-        trainer.close()
-    return records, trainer
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
 def assert_close(a: dict[int, float], b: dict[int, float]) -> None:

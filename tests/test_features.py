@@ -28,8 +28,8 @@ from dflash_trainer.core.errors import DiskError
 from dflash_trainer.features.build import build_store
 from dflash_trainer.features.manifest import INDEX, Manifest, ShardRecord, shard_path
 from dflash_trainer.features.store import FeatureStore
-from dflash_trainer.training.trainer import Trainer
-from helpers_e2e import make_chat_jsonl, make_tiny_target, tiny_run_overrides
+from helpers_e2e import make_chat_jsonl, make_tiny_target, run_losses as losses, tiny_run_overrides
+from helpers_e2e import train_recording as train
 
 pytestmark = pytest.mark.slow
 
@@ -59,22 +59,6 @@ SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")
 def build(setup: dict[str, Path], store: Path, *extra: str, **kwargs: Any):
     cfg = load_config(None, overrides(setup, setup["root"] / "unused", f"features.store={store}", *extra))
     return build_store(cfg, SINGLE, out=store, say=lambda m: None, **kwargs)
-
-
-def train(args: list[str], **kwargs: Any) -> tuple[list[tuple], Trainer]:
-    records: list[tuple] = []
-    trainer = Trainer(load_config(None, args))
-    try:
-        trainer.train(on_batch=lambda b: records.append((b.epoch, b.step, tuple(b.sample_ids.tolist()))),
-                      **kwargs)
-    finally:
-        trainer.close()
-    return records, trainer
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
 @pytest.fixture(scope="module")

@@ -203,8 +203,16 @@ class VllmFeatureClient:
             return f"its log: {self.log_path}"
         return f"see the log of the server at {self.url}"
 
-    def _died(self) -> EngineError | None:
-        code = self.server.process.poll() if self.server is not None and self.server.process else None
+    def _died(self, wait_s: float = 0.0) -> EngineError | None:
+        """The error of a started server that exited (waiting up to ``wait_s`` for the exit of a
+        server whose connection just broke: its sockets close before its exit is seen)."""
+        if self.server is None or self.server.process is None:
+            return None
+        deadline = time.monotonic() + wait_s
+        code = self.server.process.poll()
+        while code is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+            code = self.server.process.poll()
         if code is None:
             return None
         return EngineError(f"the vLLM engine exited with status {code} while serving hidden states; "
@@ -221,7 +229,7 @@ class VllmFeatureClient:
                 f"the vLLM engine did not answer {path} within {self.cfg.request_timeout_s:.0f} s "
                 f"(engine.request_timeout_s): it hangs or is overloaded; {self._where()}") from exc
         except httpx.TransportError as exc:
-            raise self._died() or EngineError(
+            raise self._died(wait_s=5.0) or EngineError(
                 f"the vLLM engine at {self.url} does not answer ({type(exc).__name__}: {exc}); "
                 f"{self._where()}") from exc
         if response.status_code != 200:
