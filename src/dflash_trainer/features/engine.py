@@ -380,14 +380,13 @@ def check_engine_model(client: VllmFeatureClient, *, target_folder: Path, target
                 raise EngineError(f"the vLLM engine at {client.url} serves {root} with {key}={theirs}, the "
                                   f"target {target_folder} has {key}={ours}: start the engine on the target "
                                   "(model.target) or point engine.url at one that serves it")
+    probe = [int(t) for t in tokenizer(PROBE_TEXT)["input_ids"]] if tokenizer is not None else list(range(1, 9))
     if tokenizer is not None:
-        ours_ids = [int(t) for t in tokenizer(PROBE_TEXT)["input_ids"]]
         theirs_ids = client.tokenize(PROBE_TEXT)
-        if ours_ids != theirs_ids:
+        if probe != theirs_ids:
             raise EngineError(f"the vLLM engine at {client.url} tokenizes {PROBE_TEXT!r} as {theirs_ids[:12]}, "
-                              f"the target's tokenizer as {ours_ids[:12]}: the engine serves another "
+                              f"the target's tokenizer as {probe[:12]}: the engine serves another "
                               "tokenizer; start it on the target (model.target)")
-    probe = [int(t) for t in (tokenizer(PROBE_TEXT)["input_ids"] if tokenizer is not None else range(1, 9))]
     client.hidden_states([probe])
 
 
