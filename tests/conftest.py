@@ -17,9 +17,11 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from dflash_trainer.core.assets import cache_root
 
@@ -86,3 +88,14 @@ def user_cache() -> Path:
     user = _state["user"]
     assert isinstance(user, Path)
     return user
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch thread for a module of small models (``pytest.mark.usefixtures("one_thread")``):
+    tiny matmuls gain nothing from a second thread, and on a shared, loaded machine OpenMP
+    barriers make every small op wait for a free core (measured 10x slower)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

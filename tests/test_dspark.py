@@ -32,18 +32,11 @@ from dflash_trainer.model.variants.dspark import markov_corrected_loss
 from dflash_trainer.training import export
 from dflash_trainer.training.drafter_init import initialise_drafter
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 REPO = Path(__file__).resolve().parents[1]
 FORMAT = json.loads((Path(__file__).parent / "data" / "dspark_format.json").read_text())
 H, V, BLOCK = 64, 256, 4
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes: a second thread only waits on the other (and on a busy machine, long)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def target_config() -> LlamaConfig:

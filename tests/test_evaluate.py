@@ -29,6 +29,8 @@ from dflash_trainer.model.target import FeatureExtractor
 from dflash_trainer.evaluation.spec_decode import Decoded, first_mismatch, speculative_generate, target_generate
 from helpers_objective import run_objective
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 BLOCK = 8
 PROMPT_LEN = 8
 TRAIN_TOKENS = 64
@@ -67,16 +69,6 @@ class OracleDrafter(DFlashDraftModel):
     def compute_logits(self, hidden_states, lm_head):
         positions = hidden_states[..., 0].long().clamp_max(len(self.sequence) - 1)
         return F.one_hot(self.sequence[positions], lm_head.weight.shape[0]).float()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small models gain nothing from intra-op threads, and on the shared, loaded test machine
-    OpenMP barriers make every small op wait for a free core (measured 10x slower)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

@@ -14,18 +14,9 @@ from dflash_trainer.model.target import FeatureExtractor
 from helpers_objective import run_objective
 
 # Hundreds of optimizer steps each.
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 VOCAB, BLOCK = 256, 8
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny matmuls gain nothing from 2 threads, and OpenMP barriers stall when the cores are shared.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_target() -> LlamaForCausalLM:

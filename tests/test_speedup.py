@@ -22,6 +22,8 @@ from dflash_trainer.evaluation.speedup import (SCATTER_BOUND, LoadSample, Machin
                                                SpeedupMeasurement, describe_measurement, format_speedup,
                                                free_core_threads)
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 BLOCK = 4
 MAX_NEW = 16
 QUIET = MachineProbe(cpus=lambda: 2, load_average=lambda: 0.0, others_running=lambda: 0.0)
@@ -58,14 +60,6 @@ class ForwardClock:
             yield self
         finally:
             handle.remove()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="module")

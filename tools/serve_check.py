@@ -757,6 +757,7 @@ def serve_llama(args: argparse.Namespace, target_dir: Path, drafter: Path, promp
     options = LlamaCppOptions(build_dir=Path(args.llama_build), target_type=args.llama_target,
                               drafter_type=args.llama_drafter_type, draft_n_max=args.spec_draft_n_max,
                               spec_type=variant_of_export(drafter).llama_cpp_spec_type,
+                              prunes_vocab=variant_of_export(drafter).llama_cpp_prunes_vocab,
                               threads=args.llama_threads, startup_timeout_s=args.startup_timeout)
     out_dir.mkdir(parents=True, exist_ok=True)
     return run_llama_cpp(target_name=args.target, target_dir=target_dir, drafter=drafter, prompt_ids=prompt_ids,

@@ -181,7 +181,7 @@ class DataConfig:
 @resume_rules(equal=("target", "num_layers", "block_size", "target_layer_ids", "mask_token_id",
                      "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "attention",
                      "dtype", "drafter_init", "variant", "selector_rank", "selector_top_k", "conv_group_size",
-                     "markov_rank", "enable_confidence_head", "init_from"))
+                     "markov_rank", "enable_confidence_head", "draft_vocab_size", "init_from"))
 @dataclass(kw_only=True)
 class ModelConfig:
     """The frozen target and the drafter built for it."""
@@ -242,6 +242,13 @@ class ModelConfig:
     enable_confidence_head: bool | None = None
     """DSpark: add the confidence head, which estimates each draft's acceptance (drafting does
     not read it; vLLM's adaptive verification does); default true with ``model.variant: dspark``."""
+    draft_vocab_size: int | None = ranged(None, ge=1, le=TOKENS_MAX, none="for the target's whole vocabulary")
+    """A pruned draft vocabulary: the drafter's LM head keeps the target head's rows of the
+    ``draft_vocab_size`` tokens most frequent among the training data's supervised tokens
+    (chosen at the start of a run, printed with their coverage; the checkpoint and the export
+    keep them, with the ``d2t`` table vLLM and llama.cpp read). Every draft is one of them, and
+    the loss and each draft's LM head cost shrink with it. Labels outside it are left out of
+    the loss and count as misses. Default: the whole vocabulary."""
     init_from: str | None = None
     """Warm start: an exported drafter folder or a training checkpoint (``step-N``) whose
     weights start the drafter (the run's own ``checkpoint.resume`` still wins). A DFlash

@@ -183,6 +183,17 @@ class TokenStore:
         """The distinct token ids in the store, ascending (one pass over the token file)."""
         return np.flatnonzero(np.bincount(self._tokens)) if len(self._tokens) else self._tokens
 
+    def supervised_token_counts(self, vocab_size: int) -> np.ndarray:
+        """``[vocab_size]`` int64: how often each token is supervised (loss mask 1); one pass
+        over the memory-mapped files in slices of bounded memory."""
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        step = 1 << 24
+        for start in range(0, len(self._tokens), step):
+            ids = np.asarray(self._tokens[start:start + step])
+            keep = np.asarray(self._mask[start:start + step]).astype(bool)
+            counts += np.bincount(ids[keep], minlength=vocab_size)[:vocab_size]
+        return counts
+
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids int32, loss_mask uint8) of sample ``i``, as fresh arrays."""
         n = len(self)

@@ -19,6 +19,7 @@ plain_ms`` on (break-even), and reaches 1.3x and 2x at 1.3 and 2 times that.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 from collections.abc import Callable, Sequence
@@ -31,7 +32,7 @@ import httpx
 from dflash_trainer.engines.llama_cpp_build import SDIST_PIN, ensure_built
 from dflash_trainer.engines.llama_cpp_server import (DEFAULT_SPEC_TYPE, LlamaCompletion, complete, convert,
                                                      converted_drafter, server_command)
-from dflash_trainer.engines.vllm_server import VllmServer, free_port
+from dflash_trainer.engines.vllm_server import ServerError, VllmServer, free_port
 
 NEAR_TIE = 0.01
 """Top-2 log-probability margin (nats) under which a differing output of a float target is the
@@ -62,6 +63,9 @@ class LlamaCppOptions:
     spec_type: str = DEFAULT_SPEC_TYPE
     """``--spec-type`` of the drafter server: the drafter's variant's ``llama_cpp_spec_type``,
     chosen by the caller from the export's config.json."""
+    prunes_vocab: bool = False
+    """Whether llama.cpp's converter converts the drafter's pruned draft vocabulary (the
+    ``d2t`` table): the drafter's variant's ``llama_cpp_prunes_vocab``, chosen by the caller."""
     threads: int = 2
     ctx_size: int = 2048
     startup_timeout_s: float = 300.0
@@ -109,6 +113,12 @@ def run_llama_cpp(*, target_name: str, target_dir: Path, drafter: Path, prompt_i
                   prompts: Sequence[str], max_tokens: int, num_draft: int, options: LlamaCppOptions,
                   out_dir: Path, log: Callable[[str], None]) -> dict[str, Any]:
     """Serve, alternate, compare; the llama.cpp section of the serve-check result."""
+    draft_vocab = json.loads((drafter / "config.json").read_text(encoding="utf-8")).get("draft_vocab_size")
+    if draft_vocab is not None and not options.prunes_vocab:
+        # Its converter maps no d2t tensor for this architecture ("Can not map tensor 'model.d2t'").
+        raise ServerError(f"llama.cpp's convert_hf_to_gguf.py does not convert {drafter}'s pruned draft "
+                          f"vocabulary (draft_vocab_size {draft_vocab}, d2t) for this drafter's architecture; "
+                          "serve it with vLLM, or train without model.draft_vocab_size for llama.cpp")
     binary = ensure_built(options.build_dir, log=log)
     cache = options.build_dir / "models"
     cache.mkdir(parents=True, exist_ok=True)

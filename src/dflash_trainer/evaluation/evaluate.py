@@ -729,6 +729,7 @@ def compare_engines(engine: str, cfg: Config, report: EvalReport, prompts: Seque
     target_type = cfg.eval.llama_cpp_target if cfg.model.target == "smollm2" else "f32"
     llama = LlamaCppOptions(build_dir=Path(cfg.eval.llama_cpp_build) if cfg.eval.llama_cpp_build else default_folder(),
                             target_type=target_type, spec_type=variant.llama_cpp_spec_type,
+                            prunes_vocab=variant.llama_cpp_prunes_vocab,
                             threads=cfg.eval.engine_threads or os.cpu_count() or 1,
                             startup_timeout_s=cfg.eval.engine_startup_timeout_s)
     settings = EngineSettings(target_name=cfg.model.target, target_dir=Path(target_path), drafter=drafter_dir,

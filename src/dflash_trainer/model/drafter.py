@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,7 +36,7 @@ from dflash_trainer.model.variants import drafter_class, get_variant, variant_of
 __all__ = ["FINAL_NORM_SCALE", "SIGNATURE_KEY", "DFlashDraftModel",
            "build_drafter", "build_drafter_config", "check_compatible", "default_target_layer_ids",
            "drafter_class", "drafter_variant", "init_drafter_from_target",
-           "init_from_last_layers", "tapped_layer_ids", "target_signature",
+           "init_from_last_layers", "set_draft_vocab", "tapped_layer_ids", "target_signature",
            "text_config", "tokenizer_signature"]
 
 log = logging.getLogger(__name__)
@@ -173,6 +174,16 @@ def build_drafter_config(model_cfg: ModelConfig, target_config: PretrainedConfig
     for key, value in variant.config_fields().items():
         setattr(config, key, value)
     config.dflash_config.update(variant.settings(model_cfg, target))
+    draft_vocab = model_cfg.draft_vocab_size
+    if draft_vocab is not None:
+        if not variant.prunes_vocab:
+            raise ConfigError(f"model.draft_vocab_size: {variant.title} drafters draft from the target's whole "
+                              "vocabulary; remove model.draft_vocab_size or choose another model.variant")
+        if draft_vocab > target.vocab_size:
+            raise ConfigError(f"model.draft_vocab_size {draft_vocab} is above the target's vocabulary "
+                              f"({target.vocab_size} tokens); set it lower, or remove it for the whole vocabulary")
+        if draft_vocab < target.vocab_size:
+            config.draft_vocab_size = draft_vocab
     setattr(config, SIGNATURE_KEY, target_signature(target_config, tokenizer))
     check_compatible(config, target_config)
     return config
@@ -239,6 +250,22 @@ def build_drafter(model_cfg: ModelConfig, target_config: PretrainedConfig, *,
                                   tokenizer=tokenizer)
     config._attn_implementation = "sdpa"
     return drafter_class(config)(config)
+
+
+@torch.no_grad()
+def set_draft_vocab(drafter: DFlashDraftModel, token_ids: Sequence[int] | torch.Tensor,
+                    target_head_weight: torch.Tensor) -> None:
+    """Give a drafter with a pruned draft vocabulary its tokens (target ids, ascending): the
+    ``d2t`` table and the target LM head's rows of those tokens."""
+    if drafter.lm_head is None or drafter.d2t is None:
+        raise ValueError("this drafter drafts from the whole vocabulary (no draft_vocab_size)")
+    ids = torch.as_tensor(token_ids, dtype=torch.long).to(drafter.d2t.device)
+    if ids.shape != drafter.d2t.shape or bool((ids[1:] <= ids[:-1]).any()):
+        raise ValueError(f"a draft vocabulary needs {drafter.draft_vocab_size} distinct ascending token ids, "
+                         f"got {ids.numel()}")
+    drafter.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+    rows = target_head_weight.detach().index_select(0, ids.to(target_head_weight.device))
+    drafter.lm_head.weight.copy_(rows.to(drafter.lm_head.weight))
 
 
 @torch.no_grad()

@@ -253,7 +253,8 @@ def dflash_loss(block_hidden: torch.Tensor, head_weight: torch.Tensor, labels: t
 
 def backbone_loss(block_hidden: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
                   weights: torch.Tensor, keep: torch.Tensor, *, chunk_size: int,
-                  soft_hidden: torch.Tensor | None = None, top_k: int = 0) -> BackbonePass:
+                  soft_hidden: torch.Tensor | None = None, top_k: int = 0,
+                  supervised: torch.Tensor | None = None) -> BackbonePass:
     """Decay-weighted loss over block slots 1..K (K <= B-1) and the metric sums of the same pass.
 
     Args:
@@ -268,6 +269,8 @@ def backbone_loss(block_hidden: torch.Tensor, head_weight: torch.Tensor, labels:
         soft_hidden: ``[B, N, K, H]`` target final hidden states at positions ``a + k - 1``
             for KL distillation; None for hard labels.
         top_k: also return each slot's top-k logits (:attr:`BackbonePass.candidates`).
+        supervised: ``[B, N, K]`` the slots the metrics count, when they are more than those
+            with weight > 0 (a label outside a pruned draft vocabulary: counted, never a hit).
 
     Returns:
         :class:`BackbonePass`; the top-1 (and top-k) predictions come from the loss chunks
@@ -283,8 +286,9 @@ def backbone_loss(block_hidden: torch.Tensor, head_weight: torch.Tensor, labels:
         raise ValueError(f"training.loss_chunk_size must be >= 1, got {chunk_size}")
     total, correct, top_values, top_ids = _ChunkedHeadLoss.apply(
         hidden, head_weight, labels.reshape(-1), weights.reshape(-1).float(), soft, chunk_size, top_k)
-    supervised = weights > 0
-    hits = correct.view(batch, num, slots) & supervised
+    hits = correct.view(batch, num, slots) & (weights > 0)
+    if supervised is None:
+        supervised = weights > 0
     leading = hits.long().cumprod(dim=-1).sum(dim=-1)
     candidates = None
     if top_k:

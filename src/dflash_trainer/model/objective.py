@@ -22,13 +22,16 @@ from dflash_trainer.config import Config, TrainingConfig, default_gamma
 from dflash_trainer.model.batch import Batch
 from dflash_trainer.model.blocks import (build_block_inputs, dense_block_mask, flex_block_mask,
                                          label_positions, labels_and_weights, position_ids)
-from dflash_trainer.model.loss import LossSums, backbone_loss, slot_rows
+from dflash_trainer.model.loss import LossSums, MetricSpec, backbone_loss, slot_rows
 from dflash_trainer.model.modeling.dflash import BlockLayout, DFlashDraftModel
 from dflash_trainer.model.shapes import ShapeSizes, pad_blocks, shape_sizes
 from dflash_trainer.model.target import TargetOutputs
 from dflash_trainer.model.variants import LossTerms, SlotInputs, variant_of
 
-__all__ = ["DFlashObjective", "noise_scale"]
+__all__ = ["DFlashObjective", "LABEL_IN_VOCAB", "noise_scale"]
+
+LABEL_IN_VOCAB = MetricSpec("train/label_in_vocab", "label_in_vocab", "count")
+"""With a pruned draft vocabulary: the share of supervised labels that are in it."""
 
 
 def noise_scale(step: int, noise_std: float, warmup_steps: int) -> float:
@@ -174,16 +177,32 @@ class DFlashObjective(nn.Module):
             prev = label_positions(anchors, slots, final_hidden.shape[1], shift=-1).flatten(1)
             soft_hidden = final_hidden.gather(1, prev[..., None].expand(-1, -1, final_hidden.shape[-1]))
             soft_hidden = soft_hidden.view(*labels.shape, -1)
-        backbone = backbone_loss(hidden, self.head_weight, labels, weights, keep, chunk_size=self.loss_chunk_size,
-                                 soft_hidden=soft_hidden, top_k=0 if self.terms is None else self.terms.top_k)
+        anchor_ids = input_ids.gather(1, anchors)
+        previous = torch.cat([anchor_ids[..., None], labels[..., :-1]], dim=-1)
+        head_weight = self.drafter.output_head(self.head_weight)
+        supervised = weights > 0
+        counts: dict[str, torch.Tensor] = {}
+        metrics: tuple[MetricSpec, ...] = ()
+        if self.drafter.lm_head is not None:
+            # A pruned draft vocabulary: the loss runs over its rows. A label outside it cannot
+            # be drafted: out of the loss, still a supervised slot (a miss in acc and tau_sim).
+            labels, in_vocab = self.drafter.to_draft_ids(labels)
+            if soft_hidden is None:
+                weights = weights * in_vocab
+            counts["label_in_vocab"] = (in_vocab & supervised).sum()
+            metrics = (LABEL_IN_VOCAB,)
+        backbone = backbone_loss(hidden, head_weight, labels, weights, keep, chunk_size=self.loss_chunk_size,
+                                 soft_hidden=soft_hidden, top_k=0 if self.terms is None else self.terms.top_k,
+                                 supervised=supervised)
+        sums = dataclasses.replace(backbone.sums, counts=counts, metrics=backbone.sums.metrics + metrics)
         if self.terms is None:
-            return backbone.sums
+            return sums
         extra = self.terms(SlotInputs(
-            hidden=slot_rows(hidden, anchors.shape[1], slots), head_weight=self.head_weight, labels=labels,
-            weights=weights, keep=keep, anchor_ids=input_ids.gather(1, anchors), hits=backbone.hits,
+            hidden=slot_rows(hidden, anchors.shape[1], slots), head_weight=head_weight, labels=labels,
+            previous_ids=previous, weights=weights, keep=keep, anchor_ids=anchor_ids, hits=backbone.hits,
             candidates=backbone.candidates, soft_hidden=soft_hidden, chunk_size=self.loss_chunk_size))
-        return dataclasses.replace(backbone.sums, terms=dict(extra.losses), term_weights=dict(self.terms.weights),
-                                   counts=dict(extra.counts), metrics=backbone.sums.metrics + self.terms.metrics)
+        return dataclasses.replace(sums, terms=dict(extra.losses), term_weights=dict(self.terms.weights),
+                                   counts={**counts, **extra.counts}, metrics=sums.metrics + self.terms.metrics)
 
 
 def _required(value: torch.Tensor | None, name: str) -> torch.Tensor:

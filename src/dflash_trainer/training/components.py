@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from dflash_trainer.core import assets
-from dflash_trainer.config import Config, TrainingConfig
+from dflash_trainer.config import Config, ModelConfig, TrainingConfig
 from dflash_trainer.data.buckets import Plan, build_plan
+from dflash_trainer.data.draft_vocab import DraftVocab, choose_draft_vocab
 from dflash_trainer.data.prepare import load_training_data
 from dflash_trainer.core.distributed import DistInfo, target_load_device, wrap_drafter, wrap_target
 from dflash_trainer.model.dtypes import config_dtype
@@ -32,7 +33,7 @@ from dflash_trainer.training.flops import StepShape, layer_dims, step_flops
 from dflash_trainer.model.batch import Batch
 from dflash_trainer.features.engine import EngineFeatures
 from dflash_trainer.features.store import FeatureStore
-from dflash_trainer.model.drafter import build_drafter, tapped_layer_ids, text_config
+from dflash_trainer.model.drafter import build_drafter, set_draft_vocab, tapped_layer_ids, text_config
 from dflash_trainer.training.drafter_init import initialise_drafter
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
 from dflash_trainer.model.objective import DFlashObjective
@@ -42,8 +43,8 @@ from dflash_trainer.training.optim import LRSchedule, build_optimizer
 from dflash_trainer.training.pipeline.drafter_step import DrafterStep
 
 __all__ = ["PEAK_BF16_FLOPS", "Components", "DrafterSide", "EpochPlans", "RunInputs", "TrainingData", "build",
-           "build_drafter_step", "load_inputs", "peak_flops", "run_mask_token_id", "run_progress",
-           "run_steps"]
+           "build_drafter_step", "choose_run_draft_vocab", "load_inputs", "peak_flops", "run_mask_token_id",
+           "run_progress", "run_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +168,9 @@ class Components:
     """Optimizer steps of the run: every epoch's own plan length / grad_accum, capped by
     ``training.max_steps``; the LR schedule ends there."""
     compute_dtype: torch.dtype
+    draft_vocab: DraftVocab | None = None
+    """The pruned draft vocabulary chosen from the data (``model.draft_vocab_size``); a resume
+    keeps the checkpoint's."""
 
     @property
     def device(self) -> torch.device:
@@ -219,7 +223,8 @@ def _flops_fn(cfg: Config, target: nn.Module, drafter: DFlashDraftModel,
         return step_flops(target=target_dims, target_layers_run=target_layers_run,
                           target_head=needs_final, drafter=drafter_dims,
                           drafter_layers=drafter.config.num_hidden_layers,
-                          num_features=len(layer_ids), vocab=vocab, shape=shape)["total"]
+                          num_features=len(layer_ids), vocab=vocab, shape=shape,
+                          draft_vocab=drafter.draft_vocab_size)["total"]
 
     return batch_flops
 
@@ -239,7 +244,8 @@ class DrafterSide:
 
 def build_drafter_step(cfg: Config, dist: DistInfo, target: nn.Module, *, mask_token_id: int,
                        tokenizer: Any, total_steps: int, compute_dtype: torch.dtype,
-                       runs_target: bool = True, schedule: dict[str, Any] | None = None) -> DrafterSide:
+                       runs_target: bool = True, schedule: dict[str, Any] | None = None,
+                       draft_vocab: DraftVocab | None = None) -> DrafterSide:
     """The trainer's drafter side on ``target``: drafter (built, initialised by
     ``model.drafter_init``, on the device) -> feature extractor -> objective -> optimizer and an
     LR schedule of ``total_steps`` (at the state ``schedule`` of a resume) -> :class:`DrafterStep`.
@@ -247,11 +253,16 @@ def build_drafter_step(cfg: Config, dist: DistInfo, target: nn.Module, *, mask_t
     Draws the drafter's initialisation from the global torch RNG: seed it first, as
     :func:`build` does. The caller closes the extractor (its hooks stay on the target).
     ``runs_target=False`` (features from a store): no extractor, no sharding of the target,
-    whose embedding and LM head alone the objective reads.
+    whose embedding and LM head alone the objective reads. ``draft_vocab``: the tokens of a
+    pruned draft vocabulary (``model.draft_vocab_size``, from :func:`choose_run_draft_vocab`).
     """
     device = dist.device
     # With the tokenizer, the drafter's config (and every export of it) records its fingerprint.
     drafter = build_drafter(cfg.model, target.config, mask_token_id=mask_token_id, tokenizer=tokenizer)
+    if drafter.lm_head is not None:
+        assert draft_vocab is not None, "a pruned draft vocabulary needs its tokens"
+        set_draft_vocab(drafter, draft_vocab.token_ids, lm_head_weight(target))
+    # A warm start from a drafter with the same pruned vocabulary keeps that drafter's tokens.
     initialise_drafter(drafter, target, cfg.model, tokenizer=tokenizer)
     drafter = drafter.to(device)
     extractor = None
@@ -367,6 +378,15 @@ def load_inputs(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None,
                      folder=folder)
 
 
+def choose_run_draft_vocab(model_cfg: ModelConfig, data: TrainingData, vocab_size: int) -> DraftVocab | None:
+    """The pruned draft vocabulary of ``model.draft_vocab_size`` from the training data's
+    supervised tokens; None for the whole vocabulary (unset, or at least ``vocab_size``)."""
+    size = model_cfg.draft_vocab_size
+    if size is None or size >= vocab_size:
+        return None
+    return choose_draft_vocab(data, size, vocab_size)
+
+
 def build(cfg: Config, dist: DistInfo, inputs: RunInputs | None = None, *, plans: Any = None,
           total_steps: int | None = None, schedule: dict[str, Any] | None = None,
           target: nn.Module | None = None, tokenizer: Any = None,
@@ -393,11 +413,12 @@ def build(cfg: Config, dist: DistInfo, inputs: RunInputs | None = None, *, plans
         plans = EpochPlans(data.lengths, cfg, dist.world_size)
     if total_steps is None:
         total_steps = run_steps(plans, cfg.training)
+    draft_vocab = choose_run_draft_vocab(cfg.model, data, lm_head_weight(target).shape[0])
     side = build_drafter_step(cfg, dist, target, mask_token_id=mask_id, tokenizer=tokenizer,
                               total_steps=total_steps, schedule=schedule, compute_dtype=dtype,
-                              runs_target=not (from_store or from_engine))
+                              runs_target=not (from_store or from_engine), draft_vocab=draft_vocab)
     return Components(cfg=cfg, dist=dist, target=side.target, tokenizer=tokenizer, data=data,
                       data_stats=inputs.data_stats, plans=plans, drafter=side.drafter,
                       extractor=side.extractor, store=store, engine=engine, objective=side.objective,
                       drafter_step=side.drafter_step, total_steps=total_steps,
-                      compute_dtype=dtype)
+                      compute_dtype=dtype, draft_vocab=draft_vocab)

@@ -54,6 +54,8 @@ __all__ = ["check_export_destination", "check_fits_target", "check_variant", "ex
 MODELING_FILE = Path(modeling.__file__).parent / "dflash.py"
 """The backbone's modeling file, which every export ships (a variant's own file imports it)."""
 _WEIGHT_NAMES = ("fc.weight", "hidden_norm.weight", "norm.weight")
+_DRAFT_VOCAB_NAMES = ("lm_head.weight", "d2t")
+"""A pruned draft vocabulary's tensors, under the names vLLM and llama.cpp load."""
 
 
 def export_config(model: DFlashDraftModel, *, num_target_layers: int, dtype: torch.dtype) -> dict[str, Any]:
@@ -91,6 +93,7 @@ def export_config(model: DFlashDraftModel, *, num_target_layers: int, dtype: tor
         "rope_parameters": rope,
         "max_position_embeddings": c.max_position_embeddings,
         "vocab_size": c.vocab_size,
+        **({"draft_vocab_size": model.draft_vocab_size} if model.lm_head is not None else {}),
         "attention_bias": False,
         "attention_dropout": 0.0,
         "layer_types": ["full_attention"] * c.num_hidden_layers,
@@ -113,12 +116,15 @@ def export_config(model: DFlashDraftModel, *, num_target_layers: int, dtype: tor
 def _draft_weights(model: DFlashDraftModel, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     state = model.state_dict()
     prefixes = ("layers.", *variant_of(model.config).export_prefixes)
-    unexpected = [k for k in state if not (k.startswith(prefixes) or k in _WEIGHT_NAMES)]
+    names = _WEIGHT_NAMES + (_DRAFT_VOCAB_NAMES if model.lm_head is not None else ())
+    unexpected = [k for k in state if not (k.startswith(prefixes) or k in names)]
     missing = [k for k in _WEIGHT_NAMES if k not in state]
     if unexpected or missing:
         raise ValueError(f"drafter state does not match the z-lab format: unexpected {unexpected}, "
                          f"missing {missing}")
-    return {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
+    # d2t stays int64: the engines read it as token offsets.
+    return {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
+            for k, v in state.items()}
 
 
 def export_drafter(model: DFlashDraftModel, out_dir: str | Path, *, target_config: PretrainedConfig | None = None,

@@ -54,8 +54,9 @@ class StepShape:
 
 def step_flops(*, target: LayerDims, target_layers_run: int, target_head: bool,
                drafter: LayerDims, drafter_layers: int, num_features: int, vocab: int,
-               shape: StepShape) -> dict[str, float]:
-    """FLOPs of one step by component, and their ``total``."""
+               shape: StepShape, draft_vocab: int | None = None) -> dict[str, float]:
+    """FLOPs of one step by component, and their ``total``; ``draft_vocab``: the rows of the
+    drafter's LM head when it drafts from a pruned vocabulary (else ``vocab``)."""
     s, q_tok = shape.seq_len, shape.num_anchors * shape.block_size
     t_q_dim = target.heads * target.head_dim
     d_q_dim, d_kv_dim = drafter.heads * drafter.head_dim, drafter.kv_heads * drafter.head_dim
@@ -72,7 +73,8 @@ def step_flops(*, target: LayerDims, target_layers_run: int, target_head: bool,
         "target_head": (2 * s * target.hidden * vocab) if target_head else 0,
         "drafter_linear": 2 * fc_fwd + 3 * layers_fwd,
         "drafter_attention": 3 * 4 * query_rows * (shape.mean_anchor + shape.block_size) * d_q_dim,
-        "lm_head": (6 if shape.soft_labels else 4) * shape.num_anchors * slots * drafter.hidden * vocab,
+        "lm_head": ((6 if shape.soft_labels else 4) * shape.num_anchors * slots * drafter.hidden
+                    * (draft_vocab or vocab)),
     }
     out = {k: float(v * shape.rows) for k, v in per_row.items()}
     out["total"] = sum(out.values())

@@ -432,6 +432,8 @@ class Trainer:
                   f"{cfg.training.epochs} epoch(s) / grad_accum {cfg.training.grad_accum}), "
                   f"{len(self.parts.data)} samples, device {self.device}, run dir "
                   f"{self.run_dir}", flush=True)
+            if self.parts.draft_vocab is not None:
+                print(self.parts.draft_vocab.describe(), flush=True)
             objective = getattr(self.parts.objective, "module", self.parts.objective)  # DDP
             if objective.rounds_shapes(self.device):
                 print(f"drafter attention shapes (pipeline.round_shapes): "

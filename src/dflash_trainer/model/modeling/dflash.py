@@ -5,7 +5,8 @@ to an exported ``config.json`` and loaded with ``AutoModel.from_pretrained(dir,
 trust_remote_code=True)``. The trainer imports the same class, so training and serving run one
 definition of the module.
 
-The drafter has no embedding and no LM head: both are the target's, frozen. It drafts a block
+The drafter has no embedding and no LM head: both are the target's, frozen (with a pruned draft
+vocabulary, ``draft_vocab_size``, it keeps the target head's rows of its tokens). It drafts a block
 ``[anchor token, MASK x (B-1)]`` in one forward pass, conditioned on target hidden states
 (``fc`` over the concatenated target layers, then ``hidden_norm``) that every layer projects
 with its own ``k_proj``/``v_proj`` and prepends to the block's keys and values.
@@ -258,8 +259,21 @@ class DFlashDecoderLayer(nn.Module):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
+class DraftHead(nn.Module):
+    """The LM head of a pruned draft vocabulary: the target head's rows of the draft tokens,
+    ``weight`` ``[draft_vocab_size, H]``. A buffer, not a parameter: it stays the target's rows
+    (the drafter learns states the target's head reads), no optimizer or gradient reduction
+    carries it, and FSDP leaves it whole on every rank."""
+
+    def __init__(self, rows: int, hidden_size: int) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.zeros(rows, hidden_size))
+
+
 class DFlashDraftModel(PreTrainedModel):
-    """DFlash drafter: ``layers.{i}``, ``fc``, ``hidden_norm``, ``norm``, ``rotary_emb``.
+    """DFlash drafter: ``layers.{i}``, ``fc``, ``hidden_norm``, ``norm``, ``rotary_emb``; with
+    ``draft_vocab_size`` below ``vocab_size`` (a pruned draft vocabulary) also ``lm_head``
+    (:class:`DraftHead`) and ``d2t``.
 
     Reads ``block_size``, ``target_layer_ids`` and ``mask_token_id`` from
     ``config.dflash_config`` first, then from the top level of the config.
@@ -292,6 +306,18 @@ class DFlashDraftModel(PreTrainedModel):
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        vocab = int(config.vocab_size)
+        self.draft_vocab_size = int(getattr(config, "draft_vocab_size", None) or vocab)
+        if not 1 <= self.draft_vocab_size <= vocab:
+            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..vocab_size ({vocab})")
+        self.lm_head: DraftHead | None = None
+        self.d2t: torch.Tensor | None
+        if self.draft_vocab_size < vocab:
+            self.lm_head = DraftHead(self.draft_vocab_size, config.hidden_size)
+            # vLLM's and llama.cpp's table: draft row i drafts target token i + d2t[i].
+            self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+        else:
+            self.register_buffer("d2t", None)
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -353,9 +379,43 @@ class DFlashDraftModel(PreTrainedModel):
                                   row_visible, past_key_values, output_slots if i == last else None)
         return self.norm(hidden_states)
 
+    def output_head(self, target_head_weight: torch.Tensor) -> torch.Tensor:
+        """The LM head weight the drafter's states are scored with: its own :class:`DraftHead`
+        rows ``[draft_vocab_size, H]`` with a pruned draft vocabulary, else the target's."""
+        return target_head_weight if self.lm_head is None else self.lm_head.weight
+
+    def draft_token_ids(self) -> torch.Tensor:
+        """The target token id of each draft-vocabulary row ``[draft_vocab_size]``."""
+        rows = torch.arange(self.draft_vocab_size, device=self.fc.weight.device)
+        return rows if self.d2t is None else rows + self.d2t
+
+    def to_draft_ids(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target ids -> (draft-vocabulary rows, whether each id is in the draft vocabulary);
+        an id outside it gets row 0."""
+        if self.d2t is None:
+            return token_ids, torch.ones_like(token_ids, dtype=torch.bool)
+        rows = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=token_ids.device)
+        rows[self.draft_token_ids().to(token_ids.device)] = torch.arange(self.draft_vocab_size,
+                                                                          device=token_ids.device)
+        mapped = rows[token_ids]
+        return mapped.clamp_min(0), mapped >= 0
+
+    def widen(self, values: torch.Tensor, fill: float) -> torch.Tensor:
+        """``[..., draft_vocab_size]`` -> ``[..., vocab_size]``: each draft row's value at its
+        target token, ``fill`` at the tokens outside the draft vocabulary."""
+        if self.d2t is None:
+            return values
+        out = values.new_full((*values.shape[:-1], self.config.vocab_size), fill)
+        return out.index_copy_(-1, self.draft_token_ids().to(values.device), values)
+
     def compute_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """Logits of drafter hidden states under the target's LM head."""
-        return lm_head(hidden_states.to(lm_head.weight.dtype))
+        """Logits ``[..., vocab_size]`` of drafter hidden states under the target's LM head, or
+        with a pruned draft vocabulary under the drafter's own rows (-inf at other tokens, so
+        neither the argmax nor a sampled draft is ever outside it)."""
+        if self.lm_head is None:
+            return lm_head(hidden_states.to(lm_head.weight.dtype))
+        weight = self.lm_head.weight
+        return self.widen(hidden_states.to(weight.dtype) @ weight.T, float("-inf"))
 
     def propose(self, hidden: torch.Tensor, anchor_ids: torch.Tensor, lm_head: nn.Module,
                 temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -484,5 +544,5 @@ def _crop_to(cache: Any, length: int) -> None:
         cache.crop(-excess)
 
 
-__all__ = ["BlockLayout", "DFlashDraftModel", "block_slots", "build_target_layer_ids", "extract_context_feature",
-           "dflash_value"]
+__all__ = ["BlockLayout", "DFlashDraftModel", "DraftHead", "block_slots", "build_target_layer_ids",
+           "extract_context_feature", "dflash_value"]

@@ -30,6 +30,8 @@ the predictions): exports say ``sample_from_anchor: false``, which vLLM and llam
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Config
@@ -49,16 +51,18 @@ moves (the bias is their product)."""
 
 
 class MarkovHead(nn.Module):
-    """``markov_w1`` (an embedding ``[vocab, rank]``) and ``markov_w2`` (bias-free ``rank -> vocab``,
-    weight ``[vocab, rank]``): the transition bias ``markov_w2 @ markov_w1[previous token]``."""
+    """``markov_w1`` (an embedding ``[vocab, rank]``) and ``markov_w2`` (bias-free ``rank -> draft
+    vocab``, weight ``[draft vocab, rank]``): the transition bias ``markov_w2 @ markov_w1[previous
+    token]``."""
 
-    def __init__(self, vocab_size: int, rank: int) -> None:
+    def __init__(self, vocab_size: int, rank: int, draft_vocab_size: int | None = None) -> None:
         super().__init__()
         if rank < 1:
             raise ValueError(f"markov_rank must be >= 1, got {rank}")
         self.rank = rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        # The bias is over the draft vocabulary (its rows), the previous token a target id.
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size or vocab_size, bias=False)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``markov_w1[token_ids]`` ``[..., rank]``."""
@@ -68,16 +72,19 @@ class MarkovHead(nn.Module):
         """The transition bias ``[..., vocab]`` (float32) after each of ``token_ids``."""
         return self.markov_w2(self.embed(token_ids)).float()
 
-    def walk(self, base_logits: torch.Tensor, anchor_ids: torch.Tensor,
-             temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def walk(self, base_logits: torch.Tensor, anchor_ids: torch.Tensor, temperature: float,
+             widen: Callable[[torch.Tensor], torch.Tensor] | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The drafts of blocks ``[B, n]`` from their slots' base logits ``[B, n, V]``, left to
         right from the verified ``anchor_ids`` ``[B]``: each slot's logits plus the bias after
-        the token chosen before it. Greedy (``temperature <= 0``, no distributions), or sampled
-        from ``softmax(logits / temperature)``, returned as ``[B, n, V]``."""
+        the token chosen before it (``widen`` maps a draft-vocabulary bias onto the ``V``
+        tokens). Greedy (``temperature <= 0``, no distributions), or sampled from
+        ``softmax(logits / temperature)``, returned as ``[B, n, V]``."""
         previous = anchor_ids
         path, rows = [], []
         for slot in range(base_logits.shape[1]):
-            logits = base_logits[:, slot].float() + self.bias(previous)
+            bias = self.bias(previous)
+            logits = base_logits[:, slot].float() + (bias if widen is None else widen(bias))
             if temperature > 0:
                 q = torch.softmax(logits / temperature, dim=-1)
                 previous = torch.multinomial(q, 1)[:, 0]
@@ -122,7 +129,7 @@ class DSparkDraftModel(DFlashDraftModel):
                              "verified token and the masks predict (sample_from_anchor: false)")
         super().__init__(config)
         rank = int(dflash_value(config, "markov_rank", DEFAULT_MARKOV_RANK))
-        self.markov_head = MarkovHead(config.vocab_size, rank)
+        self.markov_head = MarkovHead(config.vocab_size, rank, self.draft_vocab_size)
         self.confidence_head: ConfidenceHead | None = None
         if bool(dflash_value(config, "enable_confidence_head", False)):
             # Missing means false, as vLLM reads it; this trainer's drafters always set it true.
@@ -157,7 +164,7 @@ class DSparkDraftModel(DFlashDraftModel):
         """The Markov head's left-to-right walk over the slots' logits from the anchor; at
         ``temperature > 0`` with the distributions the drafts were sampled from ``[1, B-1, V]``."""
         logits = self.compute_logits(hidden, lm_head).float()
-        path, q = self.markov_head.walk(logits, anchor_ids, temperature)
+        path, q = self.markov_head.walk(logits, anchor_ids, temperature, lambda bias: self.widen(bias, 0.0))
         return path[0], q
 
 

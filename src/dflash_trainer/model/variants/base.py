@@ -61,11 +61,17 @@ class SlotInputs:
     hidden: torch.Tensor
     """``[B, N, K, H]`` the drafter's states (after the final norm) of slots 1..K (differentiable)."""
     head_weight: torch.Tensor
-    """The target's frozen LM head ``[V, H]``."""
+    """The frozen LM head ``[V, H]``: the target's, or the drafter's rows of a pruned draft
+    vocabulary (then ``V`` is ``draft_vocab_size``)."""
     labels: torch.Tensor
-    """``[B, N, K]`` each slot's label (the data's token, or the target's greedy one)."""
+    """``[B, N, K]`` each slot's label (the data's token, or the target's greedy one), as a row
+    of :attr:`head_weight` (with a pruned draft vocabulary, its draft row; 0 outside it)."""
+    previous_ids: torch.Tensor
+    """``[B, N, K]`` the target token before each slot: the block's anchor token, then the
+    labels of slots 1..K-1."""
     weights: torch.Tensor
-    """``[B, N, K]`` decay weights, 0 where a slot is not supervised."""
+    """``[B, N, K]`` decay weights, 0 where a slot is not supervised (or its label is outside a
+    pruned draft vocabulary)."""
     keep: torch.Tensor
     """``[B, N]`` real (True) or padding blocks."""
     anchor_ids: torch.Tensor
@@ -149,6 +155,12 @@ class Variant:
     llama_cpp_spec_type: ClassVar[str] = "draft-dflash"
     """``llama-server --spec-type`` that drafts with this variant's exports (converted to GGUF
     by llama.cpp's ``convert_hf_to_gguf.py``)."""
+    prunes_vocab: ClassVar[bool] = True
+    """Whether its drafters may draft from a pruned vocabulary (``model.draft_vocab_size``:
+    their own LM head rows and the ``d2t`` table)."""
+    llama_cpp_prunes_vocab: ClassVar[bool] = False
+    """Whether llama.cpp's ``convert_hf_to_gguf.py`` converts its exports with a pruned
+    draft vocabulary (the ``d2t`` table)."""
     vllm_method: ClassVar[str] = "dflash"
     """vLLM's ``--speculative-config`` ``method`` for this variant's exports (with
     ``num_speculative_tokens`` = the block size - 1: the block's first row is the verified

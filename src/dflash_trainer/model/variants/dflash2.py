@@ -200,6 +200,9 @@ class DFlash2(Variant):
     # A DFlash drafter gives a DFlash2 one its backbone; the convolutions and the selector keep
     # their identity init, so the warm-started drafter first drafts what the DFlash one drafts.
     warm_starts_from = ("dflash", "dflash2")
+    # The selector's codebooks and candidates index the target's vocabulary, and vLLM's
+    # DFlash2 model reads no d2t table.
+    prunes_vocab = False
     export_prefixes = ("candidate_selector.",)
     report = ReportLines(tau={"train/tau_sim_selector": "train/tau_sim_selector (DFlash2 selector's path, "
                                                         "training batches)"},

@@ -189,7 +189,7 @@ class DSparkTerms(LossTerms):
         head = self.drafter.markov_head
         labels, weights = inputs.labels, inputs.weights
         supervised = weights > 0
-        previous = torch.cat([inputs.anchor_ids[..., None], labels[..., :-1]], dim=-1)
+        previous = inputs.previous_ids
         loss = None
         hits = inputs.hits
         if self.markov_weight > 0:
@@ -237,6 +237,7 @@ class DSpark(Variant):
     warm_starts_from = ("dflash", "dspark")
     export_prefixes = ("markov_head.", "confidence_head.")
     llama_cpp_spec_type = "draft-dspark"
+    llama_cpp_prunes_vocab = True
     vllm_method = "dspark"
     report = ReportLines(tau={"train/tau_sim_markov": "train/tau_sim_markov (DSpark's Markov path, "
                                                       "training batches)"},
