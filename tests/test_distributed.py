@@ -50,7 +50,7 @@ from dflash_trainer.core.distributed import (
     DistInfo, all_reduce_sum, apply_training_state, check_distributed_options, close_distributed,
     gather_objects, init_distributed, training_state, wrap_drafter, wrap_target)
 from dflash_trainer.model.blocks import sample_anchors
-from dflash_trainer.model.drafter import build_drafter
+from dflash_trainer.model.drafter import build_drafter, set_draft_vocab
 from dflash_trainer.model.objective import DFlashObjective
 from dflash_trainer.model.target import FeatureExtractor, TargetOutputs
 from dflash_trainer.training.optim import LRSchedule, build_optimizer
@@ -137,12 +137,14 @@ def union(items: list[StepInput]) -> StepInput:
 
 
 def one_step(target: LlamaForCausalLM, micro_batches: list[StepInput], info: DistInfo,
-             wrap: str, grad_accum: int) -> dict:
+             wrap: str, grad_accum: int, draft_vocab: bool = False) -> dict:
     """Gradients seen by the optimizer (fused AdamW) at the first step, plus the logged
-    loss and grad norm."""
+    loss and grad norm; ``draft_vocab``: with a pruned draft vocabulary (every other token)."""
     torch.manual_seed(0)
-    drafter = build_drafter(ModelConfig(num_layers=2, block_size=BLOCK), target.config,
-                            mask_token_id=255)
+    drafter = build_drafter(ModelConfig(num_layers=2, block_size=BLOCK, draft_vocab_size=128 if draft_vocab else None),
+                            target.config, mask_token_id=255)
+    if draft_vocab:
+        set_draft_vocab(drafter, range(0, 256, 2), target.lm_head.weight)
     with torch.no_grad():
         for p in drafter.parameters():  # fresh init has a tiny final norm: make grads sizeable
             p.add_(torch.randn_like(p) * 0.1)
@@ -193,8 +195,9 @@ def _module_worker(rank: int, port: int, out: str) -> None:
     mine = [items[rank], items[2 + rank]]
     results: dict = {}
     for name, wrap, micro in (("ddp", "ddp", mine[:1]), ("ddp_accum", "ddp", mine),
-                              ("fsdp", "fsdp", mine[:1]), ("fsdp_accum", "fsdp", mine)):
-        res = one_step(target, micro, info, wrap, grad_accum=len(micro))
+                              ("fsdp", "fsdp", mine[:1]), ("fsdp_accum", "fsdp", mine),
+                              ("ddp_vocab", "ddp", mine[:1]), ("fsdp_vocab", "fsdp", mine[:1])):
+        res = one_step(target, micro, info, wrap, grad_accum=len(micro), draft_vocab=name.endswith("_vocab"))
         results[name] = res
         if name == "fsdp":
             results["fsdp_roundtrip"] = fsdp_roundtrip(target, mine[0], info,
@@ -321,9 +324,9 @@ def test_stuck_peer_fails_the_collective_after_the_timeout(tmp_path):
     assert 1.5 <= float(outcome.split()[2]) < 30, outcome
 
 
-def single_process(micro_batches: list[StepInput], grad_accum: int = 1) -> dict:
+def single_process(micro_batches: list[StepInput], grad_accum: int = 1, draft_vocab: bool = False) -> dict:
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=CPU)
-    return one_step(tiny_target(), micro_batches, info, "ddp", grad_accum)
+    return one_step(tiny_target(), micro_batches, info, "ddp", grad_accum, draft_vocab)
 
 
 def assert_same_gradients(got: dict, want: dict) -> None:
@@ -349,6 +352,16 @@ def test_two_ranks_step_like_one_process_on_the_union(module_results, wrap):
     diff = max(float((naive[k] - want["grad"][k]).abs().max() / want["grad"][k].abs().max())
                for k in naive)
     assert diff > 100 * GRAD_RTOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_a_pruned_draft_vocabulary_steps_like_one_process(module_results, wrap):
+    """The draft vocabulary's head is a buffer: whole on every rank under FSDP, never reduced."""
+    items = make_batches(tiny_target(), [1, 2])
+    want = single_process([union(items[:2])], draft_vocab=True)
+    assert_same_gradients(module_results[f"{wrap}_vocab"], want)
+    assert want["loss"] != pytest.approx(single_process([union(items[:2])])["loss"], rel=1e-3)
 
 
 @pytest.mark.slow

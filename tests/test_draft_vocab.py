@@ -188,6 +188,24 @@ def test_the_export_holds_lm_head_d2t_and_draft_vocab_size_and_loads_back(tmp_pa
     torch.testing.assert_close(back.compute_logits(hidden, lm_head), drafter.compute_logits(hidden, lm_head))
 
 
+@pytest.mark.parametrize(("module", "offsets"), [
+    ("qwen3_dflash.py", "targets = base + self.draft_id_to_target_id"),
+    ("qwen3_dspark.py", "return draft_ids + self.draft_id_to_target_id[draft_ids]")])
+def test_vllm_reads_the_exported_names_as_offsets(module: str, offsets: str) -> None:
+    """vLLM's DFlash and DSpark models (the installed source of .venv-vllm): ``draft_vocab_size``
+    sizes their ``lm_head``, the ``d2t`` tensor loads as ``draft_id_to_target_id``, and a draft
+    row i maps to target token ``i + d2t[i]``, the table the export writes."""
+    found = sorted(Path(__file__).resolve().parents[1].glob(
+        f".venv-vllm/lib/python*/site-packages/vllm/model_executor/models/{module}"))
+    if not found:
+        pytest.skip("no vLLM install in .venv-vllm")
+    source = found[0].read_text()
+    assert 'getattr(self.config, "draft_vocab_size", None)' in source
+    assert 'name.replace("d2t", "draft_id_to_target_id")' in source
+    assert "ParallelLMHead(\n            self.config.draft_vocab_size," in source
+    assert offsets in source
+
+
 @pytest.mark.slow
 def test_llama_cpp_converts_the_pruned_dspark_export_and_is_refused_a_pruned_dflash_one(tmp_path: Path) -> None:
     """llama.cpp's converter reads ``d2t`` for DSpark drafters only; for a DFlash one the project
@@ -246,6 +264,8 @@ def test_a_run_prints_the_coverage_logs_it_exports_the_vocabulary_and_resumes_ex
     records = [json.loads(line) for line in (straight / "metrics.jsonl").read_text().splitlines()]
     coverage = [r["train/label_in_vocab"] for r in records if "train/label_in_vocab" in r]
     assert len(coverage) == 4 and all(0.5 < c <= 1 for c in coverage)
+    report = (straight / "report" / "index.html").read_text()
+    assert "labels in the draft vocabulary (last window)" in report
     config = json.loads((straight / "drafter" / "config.json").read_text())
     assert config["draft_vocab_size"] == 512
     # Stopped after step 2 as by a signal (the same 4-step LR schedule), then resumed.

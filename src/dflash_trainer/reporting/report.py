@@ -562,6 +562,8 @@ def summarize(log: MetricsLog, evals: list[EvalResult],
     rows[at:at] = [(f"final {name.removeprefix('train/')} ({variant.title})", _fmt(log.last(name)))
                    for variant in VARIANTS.values() for name in variant.report.summary
                    if log.last(name) is not None]
+    if log.last("train/label_in_vocab") is not None:
+        rows.insert(at, ("labels in the draft vocabulary (last window)", _fmt(log.last("train/label_in_vocab"))))
     if log.rewinds:
         rows.append(("resumes that re-ran logged steps", str(log.rewinds)))
     if log.bad_lines:
