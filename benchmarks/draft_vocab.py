@@ -16,7 +16,8 @@ the taps need; its features and greedy labels are computed once, outside the tim
 Which tokens a pruned arm keeps does not change its cost; the arms keep the first ``size`` ids.
 The arms take turns one step at a time (the order reverses every round) after ``--warmup``
 steps each; the median per arm and its ratio to the whole vocabulary's are reported, with the
-load before and after and a busy flag (``dflash_trainer.evaluation.speedup``).
+load before and after and a busy flag (``dflash_trainer.evaluation.speedup``). First, the
+share of the config's training data's supervised tokens each size in ``--coverage`` covers.
 """
 
 from __future__ import annotations
@@ -119,6 +120,23 @@ def summarise(times: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
     return rows
 
 
+def coverage(config_path: str, sizes: list[int]) -> dict[str, Any]:
+    """The share of the config's training data's supervised tokens that each pruned vocabulary
+    covers (what a run prints at its start), from its prepared token store."""
+    from dflash_trainer.core import assets
+    from dflash_trainer.data.draft_vocab import choose_draft_vocab
+    from dflash_trainer.data.prepare import build_dataset
+
+    cfg = load_config(config_path, [])
+    store, _ = build_dataset(cfg, tokenizer=assets.load_tokenizer(assets.resolve_target(cfg.model.target)))
+    rows = {}
+    for size in sizes:
+        vocab = choose_draft_vocab(store, size, VOCAB)
+        rows[str(size)] = {"covered": vocab.covered, "supervised": vocab.supervised, "coverage": vocab.coverage}
+        print(vocab.describe(), flush=True)
+    return {"samples": len(store), "sizes": rows}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="configs/demo-cpu.yaml")
@@ -130,8 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafts", type=int, default=4, help="drafted blocks timed after each step")
     parser.add_argument("--samples", type=int, default=2, help="distinct inputs the steps cycle through")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--coverage", type=_ints, default=[4096, 8192, 16384, 32768],
+                        help="vocabulary sizes whose coverage of the config's training data is counted")
+    parser.add_argument("--no-coverage", action="store_true", help="skip the coverage count (no data needed)")
+    parser.add_argument("--vocab", type=int, default=VOCAB, help="the random target's vocabulary")
     parser.add_argument("--out", default=None, help="JSON results file")
     args = parser.parse_args(argv)
+    data_coverage = None if args.no_coverage else coverage(args.config, args.coverage)
     torch.set_num_threads(args.threads)
     probe = MachineProbe()
     before = LoadSample.read(probe)
@@ -139,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     groups = []
     sizes: list[int | None] = [None, *args.sizes]
     for block in args.blocks:
-        shape = Shape(hidden=args.hidden, block=block, all_slots=block != 4, vocab=VOCAB)
+        shape = Shape(hidden=args.hidden, block=block, all_slots=block != 4, vocab=args.vocab)
         group_before = LoadSample.read(probe)
         times = time_arms(shape, sizes, args)
         group_after = LoadSample.read(probe)
@@ -153,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"drafted block {row['draft_s_median'] * 1e3:6.1f} ms (x{row['draft_ratio']:.2f})", flush=True)
         if groups[-1]["busy"]:
             print("  busy: other work ran beside these arms", flush=True)
-    report = {"config": args.config, "vocab": VOCAB, "hidden": args.hidden, "threads": args.threads,
+    report = {"config": args.config, "vocab": args.vocab, "hidden": args.hidden, "threads": args.threads,
               "dtype": "float32", "repeats": args.repeats, "warmup": args.warmup, "drafts": args.drafts,
               "cpus": usable_cpus(), "load_before": asdict(before), "load_after": asdict(LoadSample.read(probe)),
-              "busy": any(g["busy"] for g in groups), "seconds": time.perf_counter() - started, "groups": groups}
+              "busy": any(g["busy"] for g in groups), "seconds": time.perf_counter() - started, "groups": groups,
+              "data_coverage": data_coverage}
     if args.out:
         _write(args.out, report)
     print(json.dumps({g["shape"]["block"]: {a: round(r["step_ratio"], 3) for a, r in g["arms"].items()}

@@ -178,3 +178,22 @@ def test_dflash2_step_benchmark_tiny(tmp_path: Path):
     assert arm["extra_time_by_op"][0]["op"] == "total"
     assert isinstance(report["busy"], bool) and report["load_before"]["load_1m"] is not None
     assert "dflash2-r8" in proc.stdout and "ms/step" in proc.stdout
+
+
+@pytest.mark.slow
+def test_draft_vocab_benchmark_tiny(tmp_path: Path):
+    out = tmp_path / "draft_vocab.json"
+    proc = _run("draft_vocab", "--vocab", "512", "--hidden", "64", "--sizes", "64", "--blocks", "4",
+                "--repeats", "2", "--warmup", "1", "--drafts", "1", "--samples", "1", "--no-coverage",
+                "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    (group,) = report["groups"]
+    assert group["shape"] == {"hidden": 64, "block": 4, "all_slots": False, "vocab": 512}
+    full, pruned = group["arms"]["full"], group["arms"]["64"]
+    # The arms took turns: as many timed steps and drafted blocks each.
+    assert len(full["step_s_all"]) == len(pruned["step_s_all"]) == len(pruned["draft_s_all"]) == 2
+    assert full["step_ratio"] == full["draft_ratio"] == 1.0
+    assert math.isclose(pruned["step_ratio"], pruned["step_s_median"] / full["step_s_median"])
+    assert isinstance(report["busy"], bool) and report["data_coverage"] is None
+    assert "64 tokens: step" in proc.stdout

@@ -206,6 +206,30 @@ def test_vllm_reads_the_exported_names_as_offsets(module: str, offsets: str) -> 
     assert offsets in source
 
 
+def test_a_warm_start_keeps_a_pruned_source_s_tokens_and_a_full_one_gives_its_backbone(tmp_path: Path) -> None:
+    from dflash_trainer.core.errors import CheckpointError
+    from dflash_trainer.training.drafter_init import warm_start
+
+    head = torch.randn(V, H)
+    source = pruned("dflash", list(range(3, 60)), head)
+    out = export.export_drafter(source, tmp_path / "src", target_config=target_config(), dtype=torch.float32)
+    same = build_drafter(model_cfg(draft_vocab_size=57), target_config(), mask_token_id=V - 1)
+    set_draft_vocab(same, list(range(57)), head)
+    warm_start(same, str(out), target_config())
+    assert same.draft_token_ids().tolist() == list(range(3, 60))
+    torch.testing.assert_close(same.lm_head.weight, head[3:60])
+    full = build_drafter(model_cfg(), target_config(), mask_token_id=V - 1)
+    with pytest.raises(CheckpointError, match=r"drafts from 57 tokens, this drafter from 96 "
+                                              r"\(model.draft_vocab_size\); set model.draft_vocab_size=57$"):
+        warm_start(full, str(out), target_config())
+    # A drafter of the whole vocabulary gives a pruned one its backbone; the tokens stay.
+    plain = export.export_drafter(full, tmp_path / "full", target_config=target_config(), dtype=torch.float32)
+    copied = warm_start(same, str(plain), target_config())
+    assert "fc.weight" in copied and "lm_head.weight" not in copied
+    assert same.draft_token_ids().tolist() == list(range(3, 60))
+    torch.testing.assert_close(same.fc.weight, full.fc.weight)
+
+
 @pytest.mark.slow
 def test_llama_cpp_converts_the_pruned_dspark_export_and_is_refused_a_pruned_dflash_one(tmp_path: Path) -> None:
     """llama.cpp's converter reads ``d2t`` for DSpark drafters only; for a DFlash one the project

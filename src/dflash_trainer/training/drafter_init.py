@@ -54,6 +54,12 @@ def warm_start(drafter: DFlashDraftModel, path: str, target_config: PretrainedCo
     if list(source.target_layer_ids) != list(drafter.target_layer_ids):
         raise CheckpointError(f"{where} reads target layers {list(source.target_layer_ids)}, this drafter "
                               f"{list(drafter.target_layer_ids)} (model.target_layer_ids); set them equal")
+    # A drafter of the whole vocabulary gives a pruned one its backbone (the pruned head stays the
+    # target's rows); a pruned source keeps its own tokens, so the sizes must agree.
+    if source.lm_head is not None and source.draft_vocab_size != drafter.draft_vocab_size:
+        raise CheckpointError(f"{where} drafts from {source.draft_vocab_size} tokens, this drafter from "
+                              f"{drafter.draft_vocab_size} (model.draft_vocab_size); set "
+                              f"model.draft_vocab_size={source.draft_vocab_size}")
     own = drafter.state_dict()
     mismatched = [f"{k} {list(v.shape)} vs {list(own[k].shape) if k in own else 'absent'}"
                   for k, v in source.state_dict().items() if k not in own or own[k].shape != v.shape]
