@@ -177,8 +177,7 @@ class DFlashObjective(nn.Module):
             prev = label_positions(anchors, slots, final_hidden.shape[1], shift=-1).flatten(1)
             soft_hidden = final_hidden.gather(1, prev[..., None].expand(-1, -1, final_hidden.shape[-1]))
             soft_hidden = soft_hidden.view(*labels.shape, -1)
-        anchor_ids = input_ids.gather(1, anchors)
-        previous = torch.cat([anchor_ids[..., None], labels[..., :-1]], dim=-1)
+        target_labels = labels
         head_weight = self.drafter.output_head(self.head_weight)
         supervised = weights > 0
         counts: dict[str, torch.Tensor] = {}
@@ -197,6 +196,8 @@ class DFlashObjective(nn.Module):
         sums = dataclasses.replace(backbone.sums, counts=counts, metrics=backbone.sums.metrics + metrics)
         if self.terms is None:
             return sums
+        anchor_ids = input_ids.gather(1, anchors)
+        previous = torch.cat([anchor_ids[..., None], target_labels[..., :-1]], dim=-1)
         extra = self.terms(SlotInputs(
             hidden=slot_rows(hidden, anchors.shape[1], slots), head_weight=head_weight, labels=labels,
             previous_ids=previous, weights=weights, keep=keep, anchor_ids=anchor_ids, hits=backbone.hits,
