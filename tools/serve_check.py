@@ -20,7 +20,10 @@ plain server: a run killed mid-way, resumed, counts checked) and ``--regen-bench
 ``--dspark`` also serves an untrained DSpark export of the demo config (its Markov head's bias is
 0): llama.cpp with ``--spec-type draft-dspark`` (the same table as the main drafter's), and vLLM
 with method ``dspark`` once: vLLM's CPU build refuses it (``Model Runner V1 does not support:
-dspark speculative decoding``), which is reported with that log line and is not a failure. Every
+dspark speculative decoding``), which is reported with that log line and is not a failure.
+``--draft-vocab N`` also serves an untrained DFlash export with an N-token draft vocabulary
+(``draft_vocab_size``, ``d2t``): vLLM must serve it; llama.cpp's converter maps no ``d2t`` for
+DFlash, which is recorded in one line and is not a failure. Every
 drafter is served as its variant says (llama.cpp's spec type, vLLM's method: read from the
 export's ``config.json`` through the variant registry).
 
@@ -34,8 +37,8 @@ than at a near-tie of the target's top-2 tokens, which is the engine's rounding)
 weights or the target are missing, or the drafter was trained for another target (vocabulary,
 hidden size or tokenizer; checked before any server starts); 3 the vLLM venv or llama.cpp could not be built; 4 an
 engine refused the drafter or did not start (with ``--dspark``: vLLM failed on the DSpark export other than by a
-refusal); 5 the regeneration check failed; 130 interrupted. The servers are
-stopped (by process group) on every exit path.
+refusal; with ``--draft-vocab``: vLLM did not serve the pruned export); 5 the regeneration check failed;
+130 interrupted. The servers are stopped (by process group) on every exit path.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from typing import Any
 from dflash_trainer.engines.compare import (acceptance_from_lengths, domain_indices, format_domains, llama_cpp_domains,
                                             project_domains, vllm_domains)
 from dflash_trainer.engines.llama_cpp_build import BuildError, default_folder
-from dflash_trainer.engines.serve_llama_cpp import LlamaCppOptions, cost_model, run_llama_cpp
+from dflash_trainer.engines.serve_llama_cpp import ConversionRefused, LlamaCppOptions, cost_model, run_llama_cpp
 from dflash_trainer.engines.serve_vllm import ServedRun, VllmOptions, same_output, serve_vllm
 from dflash_trainer.engines.vllm_env import VLLM_PIN, InstallError, ensure_venv
 from dflash_trainer.engines.vllm_server import ServerError, SpecCounters
@@ -121,28 +124,56 @@ def num_draft_tokens(folder: Path) -> int:
     return block_size - 1
 
 
-def untrained_drafter(target_dir: Path, out: Path, *, variant: str | None = None) -> Path:
+def untrained_drafter(target_dir: Path, out: Path, *, variant: str | None = None,
+                      draft_vocab: Sequence[int] | None = None) -> Path:
     """Export a freshly initialised drafter (the demo config's shape) for ``target_dir``;
-    ``variant`` sets ``model.variant`` (default the demo config's).
+    ``variant`` sets ``model.variant`` (default the demo config's), ``draft_vocab`` (target ids,
+    ascending) a pruned draft vocabulary: ``draft_vocab_size``, ``d2t`` and the target LM head's
+    rows of those tokens.
 
     Serving does not depend on training: this checks loading and losslessness in seconds;
     its acceptance length is ~1.
     """
     import torch
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from dflash_trainer.config import load_config
-    from dflash_trainer.model.drafter import build_drafter
+    from dflash_trainer.model.drafter import build_drafter, set_draft_vocab
     from dflash_trainer.training.export import export_drafter
     from dflash_trainer.model.target import resolve_mask_token_id
 
-    cfg = load_config(REPO / "configs" / "demo-cpu.yaml", [f"model.variant={variant}"] if variant else None)
+    overrides = [f"model.variant={variant}"] if variant else []
+    if draft_vocab is not None:
+        overrides.append(f"model.draft_vocab_size={len(draft_vocab)}")
+    cfg = load_config(REPO / "configs" / "demo-cpu.yaml", overrides or None)
     target_config = AutoConfig.from_pretrained(target_dir)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     mask_id = resolve_mask_token_id(tokenizer, int(target_config.vocab_size))
     torch.manual_seed(0)
     drafter = build_drafter(cfg.model, target_config, mask_token_id=mask_id, tokenizer=tokenizer)
+    if draft_vocab is not None:
+        head = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).get_output_embeddings().weight
+        set_draft_vocab(drafter, draft_vocab, head)
     return export_drafter(drafter, out, target_config=target_config)
+
+
+def prompt_vocab(target_dir: Path, prompts: Sequence[str], size: int) -> list[int]:
+    """``size`` token ids (ascending) for an untrained pruned export: the prompts' tokens as the
+    chat template renders them, most frequent first, then the lowest other ids."""
+    from collections import Counter
+
+    from transformers import AutoConfig
+
+    from dflash_trainer.core.assets import load_tokenizer
+    from dflash_trainer.evaluation.evaluate import render_prompt
+
+    tokenizer = load_tokenizer(target_dir)
+    counts = Counter(t for p in prompts for t in render_prompt(tokenizer, [{"role": "user", "content": p}]))
+    chosen = {t for t, _ in counts.most_common(size)}
+    rest = (t for t in range(int(AutoConfig.from_pretrained(target_dir).vocab_size)) if t not in chosen)
+    while len(chosen) < size:
+        chosen.add(next(rest))
+    return sorted(chosen)
 
 
 def export_from_run(run_dir: Path, out: Path) -> Path:
@@ -339,8 +370,9 @@ def format_report(result: dict[str, Any]) -> str:
     if result.get("domains"):
         parts.append(format_suite(result))
     parts.append(format_costs(cost_rows(result)))
-    if result.get("dspark"):
-        parts.append(format_dspark(result["dspark"]))
+    for key in ("dspark", "draft_vocab"):
+        if result.get(key):
+            parts.append(format_export(result[key]))
     return "\n\n".join(parts)
 
 
@@ -555,6 +587,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "--spec-type draft-dspark (outputs against plain serving, acceptance beside the "
                              "project's loop), and vLLM with method dspark once (its refusal is reported "
                              "with vLLM's log line)")
+    parser.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                        help="also serve an untrained DFlash export of the demo config with an N-token draft "
+                             "vocabulary (draft_vocab_size, d2t): vLLM must serve it (outputs against plain "
+                             "serving, acceptance beside the project's loop); llama.cpp's refusal of a pruned "
+                             "DFlash export is recorded")
     parser.add_argument("--engine", default="all", choices=["vllm", "llama.cpp", "all"],
                         help="which engines serve the drafter (default all)")
     parser.add_argument("--llama-build", default=str(default_folder()),
@@ -573,6 +610,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--spec-draft-n-max must be >= 1")
     if args.llama_threads < 1:
         parser.error("--llama-threads must be >= 1")
+    if args.draft_vocab < 0:
+        parser.error("--draft-vocab must be >= 0")
     if args.prompts < 1 or args.max_tokens < 1:
         parser.error("--prompts and --max-tokens must be >= 1")
     return args
@@ -618,15 +657,20 @@ def run(args: argparse.Namespace) -> int:
     result["costs"] = cost_rows(result)
     if args.dspark:
         result["dspark"] = dspark_check(args, target_dir, prompts, out_dir, served)
+    if args.draft_vocab:
+        result["draft_vocab"] = draft_vocab_check(args, target_dir, prompts, out_dir, served)
     (out_dir / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     print(format_report(result), flush=True)
     log(f"serve-check: wrote {out_dir / 'result.json'}")
     vllm_ok = all(row["identical"] for row in result.get("prompts", []))
     llama_ok = llama is None or all(p["identical"] or p["near_tie"] for p in llama["pairs"])
-    dspark = result.get("dspark") or {}
-    if not (vllm_ok and llama_ok and dspark_outputs_ok(dspark)):
+    dspark, pruned = result.get("dspark") or {}, result.get("draft_vocab") or {}
+    if not (vllm_ok and llama_ok and export_outputs_ok(dspark) and export_outputs_ok(pruned)):
         return EXIT_MISMATCH
-    return EXIT_SERVER if dspark.get("vllm", {}).get("status") == "failed" else 0
+    # vLLM's CPU build may refuse the DSpark method; its DFlash model must serve a pruned export.
+    if dspark.get("vllm", {}).get("status") == "failed" or pruned.get("vllm", {}).get("status", "served") != "served":
+        return EXIT_SERVER
+    return 0
 
 
 def speculative_config(drafter: Path, num_draft: int) -> dict[str, Any]:
@@ -638,7 +682,7 @@ def speculative_config(drafter: Path, num_draft: int) -> dict[str, Any]:
             "num_speculative_tokens": num_draft}
 
 
-# --- the DSpark export ------------------------------------------------------------------------
+# --- extra exports: DSpark, a pruned draft vocabulary -----------------------------------------
 
 EXPECTED_REFUSAL = "does not support"
 """How vLLM's config checks word a refusal (``Model Runner V1 does not support: dspark
@@ -649,28 +693,52 @@ def dspark_check(args: argparse.Namespace, target_dir: Path, prompts: Sequence[s
                  served: tuple[ServedRun, ServedRun] | None) -> dict[str, Any]:
     """``--dspark``: an untrained DSpark export of the demo config (its Markov head's bias is 0,
     so it drafts what its backbone drafts) served as the variant says (llama.cpp's
-    ``--spec-type draft-dspark``, vLLM's method ``dspark``), on the same prompts, beside the
-    project's loop. vLLM is tried once: its answers are compared with the plain server's of the
-    main check, or its refusal is recorded with the line of its log that says why."""
+    ``--spec-type draft-dspark``, vLLM's method ``dspark``)."""
     drafter = untrained_drafter(target_dir, out_dir / "drafter-untrained-dspark", variant="dspark")
+    return export_check(args, target_dir, drafter, source="untrained DSpark, --dspark", label="DSpark",
+                        prompts=prompts, out_dir=out_dir / "dspark", served=served)
+
+
+def draft_vocab_check(args: argparse.Namespace, target_dir: Path, prompts: Sequence[str], out_dir: Path,
+                      served: tuple[ServedRun, ServedRun] | None) -> dict[str, Any]:
+    """``--draft-vocab N``: an untrained DFlash export of the demo config with an N-token draft
+    vocabulary (``draft_vocab_size``, ``d2t``, the LM head's rows): vLLM must serve it (its DFlash
+    model reads the table); llama.cpp's converter maps no ``d2t`` for DFlash, which the llama.cpp
+    arm says in one line before converting (recorded, not a failure)."""
+    vocab = prompt_vocab(target_dir, prompts, args.draft_vocab)
+    drafter = untrained_drafter(target_dir, out_dir / f"drafter-untrained-v{args.draft_vocab}", draft_vocab=vocab)
+    return export_check(args, target_dir, drafter, source=f"untrained DFlash, --draft-vocab {args.draft_vocab}",
+                        label="draft vocabulary", prompts=prompts, out_dir=out_dir / "draft-vocab", served=served)
+
+
+def export_check(args: argparse.Namespace, target_dir: Path, drafter: Path, *, source: str, label: str,
+                 prompts: Sequence[str], out_dir: Path, served: tuple[ServedRun, ServedRun] | None) -> dict[str, Any]:
+    """One more export served as its variant says, on the main check's prompts, beside the
+    project's loop: llama.cpp's table (or its refusal of the export, one line), and vLLM tried
+    once, its answers compared with the main check's plain server's, or its refusal recorded
+    with the line of its log that says why."""
     check_drafter(drafter)
     check_agreement(drafter, target_dir)
     num_draft = num_draft_tokens(drafter)
-    log(f"serve-check: DSpark: {drafter}")
+    log(f"serve-check: {label}: {drafter}")
     report = None if args.skip_eval else project_eval(drafter, target_dir, prompts, max_tokens=args.max_tokens,
                                                       dtype=args.dtype)
-    section = build_result(args, target_dir, drafter, "untrained DSpark, --dspark", prompts, None, report, {},
-                           num_draft=num_draft)
+    section = build_result(args, target_dir, drafter, source, prompts, None, report, {}, num_draft=num_draft)
+    section["label"] = label
     if args.engine in ("llama.cpp", "all"):
-        section["llama_cpp"] = serve_llama(args, target_dir, drafter, prompts, out_dir / "dspark", num_draft=num_draft)
+        try:
+            section["llama_cpp"] = serve_llama(args, target_dir, drafter, prompts, out_dir, num_draft=num_draft)
+        except ConversionRefused as exc:
+            log(f"serve-check: {label}: llama.cpp refused: {exc}")
+            section["llama_cpp_refused"] = str(exc)
     if args.engine in ("vllm", "all"):
-        section["vllm"] = try_vllm(args, target_dir, speculative_config(drafter, num_draft), prompts,
-                                   out_dir / "dspark", plain=served[1] if served else None)
+        section["vllm"] = try_vllm(args, target_dir, speculative_config(drafter, num_draft), prompts, out_dir,
+                                   plain=served[1] if served else None, label=label)
     return section
 
 
 def try_vllm(args: argparse.Namespace, target_dir: Path, speculative: dict[str, Any], prompts: Sequence[str],
-             out_dir: Path, *, plain: ServedRun | None) -> dict[str, Any]:
+             out_dir: Path, *, plain: ServedRun | None, label: str) -> dict[str, Any]:
     """One vLLM server with the drafter: ``refused`` (vLLM's config check refused the method, its
     log line recorded), ``failed`` (any other error), or ``served`` with its acceptance and the
     outputs identical to ``plain``'s (the plain server's answers to the same prompts)."""
@@ -682,28 +750,31 @@ def try_vllm(args: argparse.Namespace, target_dir: Path, speculative: dict[str, 
                           extra_args=list(args.vllm_arg), startup_timeout_s=args.startup_timeout)
     base = {"engine": f"{VLLM_PIN} (CPU{', eager' if args.eager else ''})", "method": speculative["method"],
             "num_speculative_tokens": speculative["num_speculative_tokens"]}
+    prefix = f"serve-check: {label}: "
     try:
         with start_server(options, target_dir, speculative, out_dir, "drafter",
-                          log=lambda line: log("serve-check: DSpark: " + line)) as server:
+                          log=lambda line: log(prefix + line)) as server:
             spec = answer_prompts(server, [[{"role": "user", "content": p}] for p in prompts],
                                   max_tokens=args.max_tokens, label="drafter", speculative=True,
-                                  log=lambda line: log("serve-check: DSpark: " + line))
+                                  log=lambda line: log(prefix + line))
     except ServerError as exc:
         first = str(exc).partition("\n")[0]
         reason = first.partition(" before it was ready: ")[2].rpartition("; log ")[0] or first
         status = "refused" if EXPECTED_REFUSAL in reason else "failed"
-        log(f"serve-check: DSpark: vLLM {status}: {reason}")
+        log(f"{prefix}vLLM {status}: {reason}")
         return {**base, "status": status, "reason": reason, "log": str(out_dir / "vllm-drafter.log")}
     counters = spec.counters
     identical = ([same_output(s, p) for s, p in zip(spec.completions, plain.completions)]
                  if plain is not None else None)
     return {**base, "status": "served", "identical": identical,
             "mean_acceptance_length": counters.mean_acceptance_length if counters else None,
+            "per_position": counters.per_position() if counters else None,
+            "verify_steps": counters.drafts if counters else None,
             "tokens_per_s": spec.tokens_per_s, "startup_s": spec.startup_s}
 
 
-def dspark_outputs_ok(section: dict[str, Any]) -> bool:
-    """Whether the DSpark export's outputs equal plain serving's (llama.cpp: or differ at a
+def export_outputs_ok(section: dict[str, Any]) -> bool:
+    """Whether an extra export's outputs equal plain serving's (llama.cpp: or differ at a
     near-tie, the engine's numerics) on every engine that served it."""
     llama = section.get("llama_cpp")
     vllm = section.get("vllm") or {}
@@ -711,19 +782,24 @@ def dspark_outputs_ok(section: dict[str, Any]) -> bool:
             and all(vllm.get("identical") or []))
 
 
-def format_dspark(section: dict[str, Any]) -> str:
-    """The DSpark export's lines: llama.cpp's table (as the main drafter's), then vLLM's outcome."""
-    lines = [f"serve-check: DSpark export {section['drafter_path']} ({section['drafter_source']})"]
+def format_export(section: dict[str, Any]) -> str:
+    """An extra export's lines: llama.cpp's table (as the main drafter's) or its refusal, then
+    vLLM's outcome beside the project's loop."""
+    lines = [f"serve-check: {section.get('label', 'DSpark')} export {section['drafter_path']} "
+             f"({section['drafter_source']})"]
     if "llama_cpp" in section:
         lines.append(format_llama_cpp(section))
+    if "llama_cpp_refused" in section:
+        lines.append(f"llama.cpp: REFUSED before converting: {section['llama_cpp_refused']}")
     vllm = section.get("vllm")
     if vllm is not None:
         head = (f"vLLM {vllm['engine']}, method {vllm['method']}, num_speculative_tokens "
                 f"{vllm['num_speculative_tokens']}")
         if vllm["status"] == "served":
             same = vllm["identical"]
-            lines.append(f"{head}: served, acceptance length {_f(vllm['mean_acceptance_length'])}; outputs "
-                         "identical to the plain server's: "
+            project = section.get("project_acceptance") or {}
+            lines.append(f"{head}: served, acceptance length {_f(vllm['mean_acceptance_length'])} (project loop "
+                         f"{_f(project.get('pooled_tau'))}); outputs identical to the plain server's: "
                          + (f"{sum(same)}/{len(same)}" if same is not None else "n/a (no plain run)"))
         else:
             lines.append(f"{head}: {vllm['status'].upper()}: {vllm['reason']} (log {vllm['log']})")

@@ -49,6 +49,10 @@ MIN_STEPS = 4
 """Prompts with fewer verify steps (or plain tokens) are left out of the scatter check."""
 
 
+class ConversionRefused(ServerError):
+    """llama.cpp cannot take this export as it is (known before converting, no server started)."""
+
+
 @dataclass(kw_only=True)
 class LlamaCppOptions:
     """What the llama.cpp arm serves and how."""
@@ -116,9 +120,10 @@ def run_llama_cpp(*, target_name: str, target_dir: Path, drafter: Path, prompt_i
     draft_vocab = json.loads((drafter / "config.json").read_text(encoding="utf-8")).get("draft_vocab_size")
     if draft_vocab is not None and not options.prunes_vocab:
         # Its converter maps no d2t tensor for this architecture ("Can not map tensor 'model.d2t'").
-        raise ServerError(f"llama.cpp's convert_hf_to_gguf.py does not convert {drafter}'s pruned draft "
-                          f"vocabulary (draft_vocab_size {draft_vocab}, d2t) for this drafter's architecture; "
-                          "serve it with vLLM, or train without model.draft_vocab_size for llama.cpp")
+        raise ConversionRefused(f"llama.cpp's convert_hf_to_gguf.py does not convert {drafter}'s pruned draft "
+                                f"vocabulary (draft_vocab_size {draft_vocab}, d2t) for this drafter's "
+                                "architecture; serve it with vLLM, or train without model.draft_vocab_size "
+                                "for llama.cpp")
     binary = ensure_built(options.build_dir, log=log)
     cache = options.build_dir / "models"
     cache.mkdir(parents=True, exist_ok=True)
