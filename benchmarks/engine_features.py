@@ -23,7 +23,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -32,6 +31,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from benchmarks.feature_store import run_arm
 
 TOLERANCES = {"cosine_min": 0.9999, "rel_err_max": 1e-3, "rel_err_mean": 1e-4, "label_agreement": 0.999}
 """What float32 features of the two engines must meet (tests/test_engine_vllm.py checks the
@@ -148,20 +149,6 @@ def features_part(cfg: Any, *, samples: int, rounds: int) -> dict[str, Any]:
     }
 
 
-def _run(cmd: list[str], log: Path) -> dict[str, Any]:
-    load = os.getloadavg()[0]
-    start = time.perf_counter()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        _, status, usage = os.wait4(proc.pid, 0)
-    code = os.waitstatus_to_exitcode(status)
-    if code not in (0, 1):  # eval exits 1 for a wrong acceptance: recorded, not fatal
-        raise SystemExit(f"{' '.join(cmd[:4])}: exit {code}; see {log}")
-    return {"exit": code, "wall_s": round(time.perf_counter() - start, 1), "load_before": round(load, 2),
-            "load_after": round(os.getloadavg()[0], 2), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1)}
-
-
 def steps_per_s(run_dir: Path, skip: int = 10) -> float | None:
     """Optimizer steps per second after the first ``skip`` steps, from ``metrics.jsonl``."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -180,11 +167,14 @@ def training_part(config: str, *, steps: int, root: Path, extra: Sequence[str]) 
     for name, seed, options in arms:
         run_dir = root / f"{name}-seed{seed}"
         shutil.rmtree(run_dir, ignore_errors=True)
-        train = _run([*exe, "train", "--config", config, f"run_dir={run_dir}", f"training.max_steps={steps}",
-                      f"training.seed={seed}", "logging.every_steps=1", "logging.console=false",
-                      "logging.tensorboard=false", *options, *extra], root / f"{name}-seed{seed}-train.log")
-        evaluate = _run([*exe, "eval", "--config", config, "--drafter", str(run_dir / "drafter"),
-                         "--out", str(run_dir / "eval"), *extra], root / f"{name}-seed{seed}-eval.log")
+        train = run_arm("train", [*exe, "train", "--config", config, f"run_dir={run_dir}",
+                                  f"training.max_steps={steps}", f"training.seed={seed}", "logging.every_steps=1",
+                                  "logging.console=false", "logging.tensorboard=false", *options, *extra],
+                        root / f"{name}-seed{seed}-train.log")
+        # eval exits 1 for a wrong acceptance: recorded, not fatal.
+        evaluate = run_arm("eval", [*exe, "eval", "--config", config, "--drafter", str(run_dir / "drafter"),
+                                    "--out", str(run_dir / "eval"), *extra], root / f"{name}-seed{seed}-eval.log",
+                           ok=(0, 1))
         result = json.loads((run_dir / "eval" / "results.json").read_text())
         row = {"arm": name, "seed": seed, "steps": steps, "train": train, "eval": evaluate,
                "steps_per_s": steps_per_s(run_dir), "tau": result["tau"],

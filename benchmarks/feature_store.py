@@ -41,8 +41,9 @@ QWEN3_8B = {"layers": 5, "hidden": 4096, "bytes": 2}
 """The recipe's feature shapes (configs/qwen3-8b.yaml: 5 tapped layers of 4096, bf16)."""
 
 
-def run_arm(name: str, cmd: list[str], log: Path) -> dict[str, Any]:
-    """Run one command to completion; its wall time, peak RSS and the load around it."""
+def run_arm(name: str, cmd: list[str], log: Path, *, ok: Sequence[int] = (0,)) -> dict[str, Any]:
+    """Run one command to completion; its exit status, wall time, CPU time, peak RSS and the load
+    around it. An exit status outside ``ok`` ends the benchmark, naming the log."""
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
     with open(log, "wb") as out:
@@ -51,9 +52,9 @@ def run_arm(name: str, cmd: list[str], log: Path) -> dict[str, Any]:
         _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
     code = os.waitstatus_to_exitcode(status)
-    if code != 0:
+    if code not in ok:
         raise SystemExit(f"{name}: exit {code}; see {log}")
-    return {"arm": name, "wall_s": round(wall, 2), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
+    return {"arm": name, "exit": code, "wall_s": round(wall, 2), "peak_rss_mib": round(usage.ru_maxrss / 1024, 1),
             "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
             "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2)}
 
