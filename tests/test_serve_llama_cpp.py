@@ -136,6 +136,10 @@ def test_a_difference_is_numerics_only_where_the_verifier_ranked_its_token_first
     far = classify(plain_top=[(5, -0.1), (6, -3.0)], spec_top=[(7, -0.5), (8, -0.9)], spec_token=7,
                    target_type="q4_1")
     assert not far["near_tie"] and "not among" in far["verdict"]
+    # Equal candidates are a tie, whichever one the server lists first.
+    tied = classify(plain_top=[(5, -0.7), (6, -0.8)], spec_top=[(6, -0.75), (5, -0.75), (9, -2.0)], spec_token=5,
+                    target_type="f32")
+    assert tied["near_tie"] and tied["spec_top2_margin"] == 0
 
 
 def test_without_the_verifiers_candidates_the_margin_bound_follows_the_target_type():

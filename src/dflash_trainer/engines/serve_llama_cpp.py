@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from dflash_trainer.core.ties import top_ties
 from dflash_trainer.engines.llama_cpp_build import SDIST_PIN, ensure_built
 from dflash_trainer.engines.llama_cpp_server import (DEFAULT_SPEC_TYPE, LlamaCompletion, complete, convert,
                                                      converted_drafter, server_command)
@@ -200,7 +201,8 @@ def classify_difference(*, plain_top: Sequence[tuple[int, float]], spec_top: Seq
     plain_token = plain_top[0][0] if plain_top else None
     if spec_top:
         spec_margin = spec_top[0][1] - spec_top[1][1] if len(spec_top) >= 2 else None
-        ranked_first = spec_top[0][0] == spec_token
+        # A token tied with the top candidate is ranked first whichever of the two is listed first.
+        ranked_first = spec_token in top_ties(spec_top)
         numerics = ranked_first and plain_token in {token for token, _ in spec_top}
         if numerics:
             why = (f"the verify batch ranks token {spec_token} first by {spec_margin:.4f} nats, single-token "

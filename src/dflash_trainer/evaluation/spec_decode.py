@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from dflash_trainer.core.ties import top_ties
 from dflash_trainer.evaluation.speedup import Clock
 
 __all__ = ["NUMERICS", "WRONG_ACCEPTANCE", "Decoded", "Span", "VerifyLogits", "VerifyStep", "acceptance_spans",
@@ -254,8 +255,10 @@ class _LogitsTrace:
 def classify_difference(spec: Decoded, plain: Sequence[int], position: int, *, margin: float) -> dict[str, Any]:
     """Why greedy speculative output ``spec.tokens`` first differs from plain decoding ``plain``
     at generated token ``position``: ``numerics`` when the speculative path emitted the verify
-    logits' own argmax there and plain decoding's token is within ``margin`` logits of it (a
-    near tie that the batched verify rounded the other way), else ``wrong acceptance`` (a bug:
+    logits' own argmax there (any token equal to the top logit: two equal logits are a tie,
+    whichever one ``argmax`` or ``topk`` lists first) and plain decoding's token is within
+    ``margin`` logits of it (a near tie that the batched verify rounded the other way), else
+    ``wrong acceptance`` (a bug:
     the loop committed a token its verify did not choose, or scored a context it should not have).
     """
     at = spec.prompt_tokens + position - 1  # the position whose logits chose this token
@@ -268,17 +271,21 @@ def classify_difference(spec: Decoded, plain: Sequence[int], position: int, *, m
         return result
     call, row = found[-1]  # the last forward that scored it is the one that committed it
     ids, values = call.ids[row].tolist(), call.values[row].tolist()
-    result["verify_argmax"] = ids[0]
-    if spec_token != ids[0]:
+    argmaxes = top_ties(list(zip(ids, values, strict=True)))
+    # The loop's argmax and the trace's topk may list two equal logits in either order.
+    result["verify_argmax"] = spec_token if spec_token in argmaxes else argmaxes[0]
+    if spec_token not in argmaxes:
         result["why"] = "the speculative path emitted a token that is not its verify logits' argmax"
         return result
     if plain_token not in ids:
         result["why"] = f"plain decoding's token is not among the verify logits' top {len(ids)}"
         return result
-    gap = values[0] - values[ids.index(plain_token)]
+    gap = max(values) - values[ids.index(plain_token)]
     result["logit_gap"] = gap
     if gap <= margin:
-        result.update(kind=NUMERICS, why=f"a near tie: plain decoding's token is {gap:.3f} logits below the argmax")
+        tie = " (an exact tie)" if gap == 0 else ""
+        result.update(kind=NUMERICS,
+                      why=f"a near tie: plain decoding's token is {gap:.3f} logits below the argmax{tie}")
     else:
         result["why"] = f"plain decoding's token is {gap:.3f} logits below the verify argmax (margin {margin:g})"
     return result
