@@ -653,11 +653,13 @@ def test_two_ranks_extend_a_finished_run_with_a_replanned_schedule(ddp_run, asse
     assert all(a > b for a, b in zip(new, new[1:])), new
     log = (tmp_path / "extended.log").read_text()
     lines = [line for line in log.splitlines() if line.startswith(("resume: ", "LR schedule: "))]
-    assert lines[:2] == [
+    assert lines[0] == f"resume: run_dir changed from {str(ddp_run)!r} (checkpoint) to {str(run_dir)!r}; " \
+                       "applies from the first resumed step"
+    assert lines[1:3] == [
         "resume: training.epochs changed from 2 (checkpoint) to 3; what depends on it is recomputed",
         "resume: training.lr changed from 0.003 (checkpoint) to 0.002; applies from the first resumed step"]
-    assert len(lines) == 3 and "re-planned for the new end (the checkpoint's curve ended at step 8)" in lines[2]
-    assert lines[2].endswith(f"lr {new[0]:.3g} at step 9, {new[-1]:.3g} at step 12")
+    assert len(lines) == 4 and "re-planned for the new end (the checkpoint's curve ended at step 8)" in lines[3]
+    assert lines[3].endswith(f"lr {new[0]:.3g} at step 9, {new[-1]:.3g} at step 12")
 
 
 @pytest.mark.slow

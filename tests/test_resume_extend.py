@@ -73,7 +73,7 @@ def test_a_larger_max_steps_replans_the_schedule_and_trains_every_new_step(
         setup, finished, tmp_path: Path, capsys):
     run_dir = resumed_copy(finished, tmp_path)
     capsys.readouterr()
-    extra = (f"training.max_steps={NEW_END}", "training.lr=2e-3", "logging.every_steps=2",
+    extra = (f"training.max_steps={NEW_END}", "training.lr=2e-3", "checkpoint.keep_last=5",
              "checkpoint.resume=auto")
     trainer = train(overrides(setup, run_dir, *extra))
     out = capsys.readouterr().out
@@ -82,7 +82,7 @@ def test_a_larger_max_steps_replans_the_schedule_and_trains_every_new_step(
     assert (f"resume: training.max_steps changed from {FIRST_END} (checkpoint) to {NEW_END}; what "
             "depends on it is recomputed") in out
     assert "resume: training.lr changed from 0.001 (checkpoint) to 0.002; applies from the first" in out
-    assert "resume: logging.every_steps changed from 1 (checkpoint) to 2; applies from the first" in out
+    assert "resume: checkpoint.keep_last changed from 3 (checkpoint) to 5; applies from the first" in out
     assert "checkpoint.resume" not in out
     # The schedule: one line with the lr at the first and the last new step.
     line = next(x for x in out.splitlines() if x.startswith("LR schedule:"))
@@ -94,7 +94,7 @@ def test_a_larger_max_steps_replans_the_schedule_and_trains_every_new_step(
     cfg = load_config(None, overrides(setup, run_dir, *extra)).training
     want = {s: lr_at(s - 1, total_steps=NEW_END, cfg=cfg) for s in range(FIRST_END + 1, NEW_END + 1)}
     got = {s: lr for s, lr in lrs(run_dir).items() if s > FIRST_END}
-    assert sorted(got) == [8, 10]  # logged every 2 steps now
+    assert sorted(got) == list(want)
     assert got == pytest.approx({s: want[s] for s in got}, rel=1e-6)
     assert all(lr > 0 for lr in want.values())
     assert float(match[1]) == pytest.approx(want[FIRST_END + 1], rel=1e-2)

@@ -235,7 +235,8 @@ def resolve_dtype(name: str, device: torch.device | str, *, hidden_size: int, vo
     ``bfloat16``/``float32`` are taken as they are. ``auto`` is bf16 on CUDA, float32 on other
     accelerators, and on CPU the faster of the two for a training step of a target with these
     sizes (:func:`probe_step_seconds`; bf16 only when :data:`BF16_MIN_GAIN` faster), cached
-    in ``cache_path`` (default :func:`probe_cache_path`) per CPU model, torch version and shape. Logs the choice and the measured step times.
+    in ``cache_path`` (default :func:`probe_cache_path`) per CPU model, torch version and shape.
+    Logs the choice and the measured step times.
     """
     fixed = _without_probe(name, device)
     if fixed is not None:

@@ -376,7 +376,6 @@ def load_inputs(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None,
     Seeds the global torch RNG with ``training.seed`` first: every rank draws the same
     drafter init in :func:`build`, and nothing between the two draws from it.
     """
-    device = dist.device
     # Before the seed: the CPU dtype probe (first run on a machine) draws random numbers.
     dtype = run_dtype(cfg, dist) if target is None else next(target.parameters()).dtype
     torch.manual_seed(cfg.training.seed)

@@ -79,7 +79,7 @@ class LRSchedule:
         """Schedule steps per optimizer step (1 unless the world size changed)."""
         if state is not None:
             self.load_state_dict(state)
-        self._apply()
+        self.apply()
 
     def position(self, step: int) -> float:
         """Schedule position of optimizer step ``step`` (0-based)."""
@@ -90,7 +90,10 @@ class LRSchedule:
         """The optimizer step at which the curve ends (its lr is then ``min_lr``)."""
         return schedule_end(self.state_dict())
 
-    def _apply(self) -> None:
+    def apply(self) -> None:
+        """Set the optimizer's lr to this position's; again after loading an optimizer state,
+        which brings the lr it was saved with (a resume that changed ``training.lr`` or the
+        run's end must train its first step at the new curve's lr)."""
         lr = schedule_lr(self.state_dict(), self.step_count, cfg=self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -103,7 +106,7 @@ class LRSchedule:
     def step(self) -> None:
         """Advance one optimizer step."""
         self.step_count += 1
-        self._apply()
+        self.apply()
 
     def state_dict(self) -> dict[str, Any]:
         """Position in the schedule (the schedule itself is a function of the config)."""
@@ -118,7 +121,7 @@ class LRSchedule:
         self.anchor_step = int(state.get("anchor_step", 0))
         self.anchor_position = float(state.get("anchor_position", 0.0))
         self.pace = float(state.get("pace", 1.0))
-        self._apply()
+        self.apply()
 
 
 def schedule_position(state: dict[str, Any], step: int) -> float:

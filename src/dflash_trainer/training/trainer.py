@@ -358,6 +358,7 @@ class Trainer:
         objects = {key: value for key, value in self.state_dict().items() if key not in skip}
         dcp.load(objects, storage_reader=dcp.FileSystemReader(resume.folder / TRAIN_DIR),
                  process_group=self.checkpoint_group, no_dist=self.checkpoint_group is None)
+        self.drafter_step.schedule.apply()  # the loaded optimizer state holds the checkpoint's lr
         self.record.load_state_dict(resume.run)
         if self._best.best is not None:
             self.checkpointer.mark_best(self._best.best["step"])
