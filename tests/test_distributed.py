@@ -641,6 +641,28 @@ def test_resume_with_two_ranks_reproduces_the_run(ddp_run, assets_dir):
 
 
 @pytest.mark.slow
+def test_two_ranks_extend_a_finished_run_with_a_replanned_schedule(ddp_run, assets_dir, tmp_path: Path):
+    """A finished 2-epoch run resumed with training.epochs=3 on 2 ranks trains 4 more steps, each
+    above lr 0 and decreasing, on the re-planned curve; rank 0 alone prints the changes."""
+    run_dir = tmp_path / "extended"
+    shutil.copytree(ddp_run, run_dir)
+    torchrun(assets_dir, run_dir, "checkpoint.resume=auto", "training.epochs=3", "training.lr=2e-3")
+    lrs = per_step(run_dir, "train/lr")
+    new = [lrs[s] for s in range(9, 13)]
+    assert list(lrs)[-1] == 12 and all(lr > 0 for lr in new), lrs
+    assert all(a > b for a, b in zip(new, new[1:])), new
+    log = (tmp_path / "extended.log").read_text()
+    lines = [line for line in log.splitlines() if line.startswith(("resume: ", "LR schedule: "))]
+    assert lines[0] == f"resume: run_dir changed from {str(ddp_run)!r} (checkpoint) to {str(run_dir)!r}; " \
+                       "applies from the first resumed step"
+    assert lines[1:3] == [
+        "resume: training.epochs changed from 2 (checkpoint) to 3; what depends on it is recomputed",
+        "resume: training.lr changed from 0.003 (checkpoint) to 0.002; applies from the first resumed step"]
+    assert len(lines) == 4 and "re-planned for the new end (the checkpoint's curve ended at step 8)" in lines[3]
+    assert lines[3].endswith(f"lr {new[0]:.3g} at step 9, {new[-1]:.3g} at step 12")
+
+
+@pytest.mark.slow
 def test_a_corrupt_shard_is_reported_once_by_rank_0(ddp_run, assets_dir, tmp_path: Path):
     """Rank 0 alone validates the checkpoint and broadcasts the verdict: one line in all."""
     run_dir = tmp_path / "corrupt"

@@ -211,7 +211,9 @@ class ModelConfig:
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """Compute dtype: ``auto`` is bf16 autocast on CUDA; on CPU the faster of float32 and bf16
     for this target's training step, measured by a short probe at start-up and cached per
-    machine (``dtype-probe.json`` in the user cache directory)."""
+    machine (``dtype-probe.json`` in the user cache directory), so ``features``, ``train``,
+    ``eval`` and ``demo`` take the same one; ``train`` from a ``features.store`` takes the
+    dtype the store was computed in."""
     drafter_init: Literal["random", "target", "last_layers"] = "random"
     """``random``: fresh initialisation (reference). ``target``: the drafter starts as the
     target's next layer after the last tapped one (L): ``fc`` selects layer L's features (zero

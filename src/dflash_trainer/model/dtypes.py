@@ -5,8 +5,9 @@ matmuls ran 3x faster than float32 on an AMD EPYC and 1.7x slower on an Intel Xe
 avx512_bf16, so ``auto`` times an eighth-size training step of the configured target's shapes
 in both dtypes (1-2 s on a quiet machine) and keeps the faster one (bf16 only with a clear
 margin, :data:`BF16_MIN_GAIN`). The result is cached per machine
-(CPU model, torch version, thread count, shapes) in ``dtype-probe.json`` under the user cache
-directory, so only the first run on a machine pays for the probe.
+(CPU model, torch version, shapes) in ``dtype-probe.json`` under the user cache directory, so
+only the first command on a machine pays for the probe, and ``features``, ``train``, ``eval``
+and ``demo`` with one config all take the same dtype.
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def probe_cache_path() -> Path:
 
 
 def _cache_key(shape: ProbeShape) -> str:
-    return (f"{cpu_model_name()} | torch {torch.__version__} | threads {torch.get_num_threads()} | "
+    # No thread count: train sets its own (half the cores) before it resolves the dtype and
+    # features, eval and demo do not, and one config must get one dtype on one machine.
+    return (f"{cpu_model_name()} | torch {torch.__version__} | "
             f"hidden {shape.hidden_size} vocab {shape.vocab_size} ffn {shape.intermediate_size} "
             f"layers {shape.num_target_layers}")
 
@@ -232,8 +235,8 @@ def resolve_dtype(name: str, device: torch.device | str, *, hidden_size: int, vo
     ``bfloat16``/``float32`` are taken as they are. ``auto`` is bf16 on CUDA, float32 on other
     accelerators, and on CPU the faster of the two for a training step of a target with these
     sizes (:func:`probe_step_seconds`; bf16 only when :data:`BF16_MIN_GAIN` faster), cached
-    in ``cache_path`` (default :func:`probe_cache_path`) per CPU model, torch version, thread
-    count and shape. Logs the choice and the measured step times.
+    in ``cache_path`` (default :func:`probe_cache_path`) per CPU model, torch version and shape.
+    Logs the choice and the measured step times.
     """
     fixed = _without_probe(name, device)
     if fixed is not None:
@@ -268,7 +271,7 @@ def config_dtype(model_cfg: Any, device: torch.device | str, *, cache_path: Path
 
 def config_probe_seconds(model_cfg: Any, dtype: torch.dtype) -> tuple[float, str]:
     """Seconds of one CPU probe step of ``model_cfg``'s target in ``dtype``, measured now (about
-    a second), and the probe's cache key (CPU, torch, threads, target shape). Measured rather
+    a second), and the probe's cache key (CPU, torch, target shape). Measured rather
     than read from the cache: the demo scales it to its expected duration
     (:mod:`dflash_trainer.cli.duration`), and a probe taken under the load of the moment carries
     that load into the estimate."""

@@ -27,11 +27,12 @@ from dflash_trainer.data.buckets import Plan, build_plan
 from dflash_trainer.data.draft_vocab import DraftVocab, choose_draft_vocab
 from dflash_trainer.data.prepare import load_training_data
 from dflash_trainer.core.distributed import DistInfo, target_load_device, wrap_drafter, wrap_target
-from dflash_trainer.model.dtypes import config_dtype
+from dflash_trainer.model.dtypes import DTYPES, config_dtype
 from dflash_trainer.core.errors import ConfigError
 from dflash_trainer.training.flops import StepShape, layer_dims, step_flops
 from dflash_trainer.model.batch import Batch
 from dflash_trainer.features.engine import EngineFeatures
+from dflash_trainer.features.manifest import MANIFEST, Manifest
 from dflash_trainer.features.store import FeatureStore
 from dflash_trainer.model.drafter import build_drafter, set_draft_vocab, tapped_layer_ids, text_config
 from dflash_trainer.training.drafter_init import initialise_drafter
@@ -43,8 +44,8 @@ from dflash_trainer.training.optim import LRSchedule, build_optimizer
 from dflash_trainer.training.pipeline.drafter_step import DrafterStep
 
 __all__ = ["PEAK_BF16_FLOPS", "Components", "DrafterSide", "EpochPlans", "RunInputs", "TrainingData", "build",
-           "build_drafter_step", "choose_run_draft_vocab", "load_inputs", "peak_flops", "run_mask_token_id",
-           "run_progress", "run_steps"]
+           "build_drafter_step", "choose_run_draft_vocab", "load_inputs", "peak_flops", "run_dtype",
+           "run_mask_token_id", "run_progress", "run_steps"]
 
 log = logging.getLogger(__name__)
 
@@ -349,6 +350,23 @@ class RunInputs:
     """The target's folder ("" for a target passed in without an engine)."""
 
 
+def run_dtype(cfg: Config, dist: DistInfo) -> torch.dtype:
+    """The run's compute dtype: ``model.dtype``, where ``auto`` with a ``features.store`` is the
+    dtype the store was computed in (its manifest records it), said in one line; a store is read
+    in that dtype whatever this machine's probe would choose now."""
+    store = cfg.features.store
+    if cfg.model.dtype != "auto" or store is None or not (Path(store) / MANIFEST).is_file():
+        return config_dtype(cfg.model, dist.device)
+    name = Manifest.read(Path(store)).target_dtype
+    dtype = DTYPES.get(name)
+    if dtype is None:
+        raise ConfigError(f"features.store={store}: its target dtype {name!r} is not one of "
+                          f"{', '.join(DTYPES)}; build the store again with dflash-trainer features")
+    if dist.is_main:
+        print(f"model.dtype auto: {name}, the dtype the feature store {store} was computed in", flush=True)
+    return dtype
+
+
 def load_inputs(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None, tokenizer: Any = None,
                 data: TrainingData | None = None) -> RunInputs:
     """The target (or its parts) and the tokenized data of ``cfg`` on this rank.
@@ -358,9 +376,8 @@ def load_inputs(cfg: Config, dist: DistInfo, *, target: nn.Module | None = None,
     Seeds the global torch RNG with ``training.seed`` first: every rank draws the same
     drafter init in :func:`build`, and nothing between the two draws from it.
     """
-    device = dist.device
     # Before the seed: the CPU dtype probe (first run on a machine) draws random numbers.
-    dtype = config_dtype(cfg.model, device) if target is None else next(target.parameters()).dtype
+    dtype = run_dtype(cfg, dist) if target is None else next(target.parameters()).dtype
     torch.manual_seed(cfg.training.seed)
     from_store = cfg.features.store is not None
     from_engine = cfg.engine.kind == "vllm" and not from_store

@@ -60,9 +60,10 @@ class LRSchedule:
 
     The curve is :func:`lr_at` over ``total_steps`` schedule steps. Optimizer step ``k`` sits
     at schedule position ``anchor_position + (k - anchor_step) * pace``: ``k`` itself in a run
-    that never changed its world size. A resume on another world size (:func:`rescaled`) moves
-    the anchor to the run's progress in samples on the curve of an uninterrupted run of the new
-    size, and sets the pace so that the run's last step is the curve's last.
+    that never re-planned its schedule. A resume on another world size or with another end
+    (:func:`rescaled`) moves the anchor to the run's progress in samples on the curve of an
+    uninterrupted run of the new size and end, and sets the pace so that the run's last step is
+    the curve's last.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, total_steps: int,
@@ -78,23 +79,22 @@ class LRSchedule:
         """Schedule steps per optimizer step (1 unless the world size changed)."""
         if state is not None:
             self.load_state_dict(state)
-        self._apply()
+        self.apply()
 
     def position(self, step: int) -> float:
         """Schedule position of optimizer step ``step`` (0-based)."""
-        if self.anchor_step == 0 and self.anchor_position == 0 and self.pace == 1:
-            return step  # the exact integer step of a run that kept its world size
-        return self.anchor_position + (step - self.anchor_step) * self.pace
+        return schedule_position(self.state_dict(), step)
 
     @property
     def end_step(self) -> int:
         """The optimizer step at which the curve ends (its lr is then ``min_lr``)."""
-        if self.pace <= 0:
-            return self.anchor_step
-        return self.anchor_step + round((self.total_steps - self.anchor_position) / self.pace)
+        return schedule_end(self.state_dict())
 
-    def _apply(self) -> None:
-        lr = lr_at(self.position(self.step_count), total_steps=self.total_steps, cfg=self.cfg)
+    def apply(self) -> None:
+        """Set the optimizer's lr to this position's; again after loading an optimizer state,
+        which brings the lr it was saved with (a resume that changed ``training.lr`` or the
+        run's end must train its first step at the new curve's lr)."""
+        lr = schedule_lr(self.state_dict(), self.step_count, cfg=self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
@@ -106,7 +106,7 @@ class LRSchedule:
     def step(self) -> None:
         """Advance one optimizer step."""
         self.step_count += 1
-        self._apply()
+        self.apply()
 
     def state_dict(self) -> dict[str, Any]:
         """Position in the schedule (the schedule itself is a function of the config)."""
@@ -121,18 +121,44 @@ class LRSchedule:
         self.anchor_step = int(state.get("anchor_step", 0))
         self.anchor_position = float(state.get("anchor_position", 0.0))
         self.pace = float(state.get("pace", 1.0))
-        self._apply()
+        self.apply()
+
+
+def schedule_position(state: dict[str, Any], step: int) -> float:
+    """Schedule position of optimizer step ``step`` (0-based) for the :class:`LRSchedule` state
+    ``state``."""
+    anchor_step, anchor_position = int(state.get("anchor_step", 0)), float(state.get("anchor_position", 0.0))
+    pace = float(state.get("pace", 1.0))
+    if anchor_step == 0 and anchor_position == 0 and pace == 1:
+        return step  # the exact integer step of a run that never re-planned its schedule
+    return anchor_position + (step - anchor_step) * pace
+
+
+def schedule_end(state: dict[str, Any]) -> int:
+    """The optimizer step at which the curve of the :class:`LRSchedule` state ``state`` ends."""
+    anchor_step, pace = int(state.get("anchor_step", 0)), float(state.get("pace", 1.0))
+    if pace <= 0:
+        return anchor_step
+    return anchor_step + round((int(state["total_steps"]) - float(state.get("anchor_position", 0.0))) / pace)
+
+
+def schedule_lr(state: dict[str, Any], step: int, *, cfg: TrainingConfig) -> float:
+    """The lr of optimizer step ``step`` (0-based) on the curve of the :class:`LRSchedule` state
+    ``state`` under ``cfg`` (what a resume prints before anything is built)."""
+    return lr_at(schedule_position(state, step), total_steps=int(state["total_steps"]), cfg=cfg)
 
 
 def rescaled(*, step: int, progress: float, total_steps: int, end_step: int) -> dict[str, Any]:
-    """The :class:`LRSchedule` state of a run resumed on another world size at optimizer step
-    ``step``, having trained the fraction ``progress`` of its samples.
+    """The :class:`LRSchedule` state of a run resumed at optimizer step ``step`` on another world
+    size or with another end (``training.max_steps`` or ``training.epochs`` changed), having
+    trained the fraction ``progress`` of its samples.
 
-    ``total_steps``: the steps of an uninterrupted run of the new world size, whose curve the
-    rest of the run follows from where that run would stand after the same samples;
+    ``total_steps``: the steps of an uninterrupted run of the new world size and end, whose
+    curve the rest of the run follows from where that run would stand after the same samples;
     ``end_step``: the step this run ends at, which lands on the curve's end. So warmup, decay
-    and the final lr come where the uninterrupted run of the new size has them, instead of
-    the old size's step count running out early (more ranks) or late (fewer ranks).
+    and the final lr come where the uninterrupted run has them, instead of the checkpoint's
+    curve running out early (more ranks, a longer run: steps at ``min_lr``) or late (fewer
+    ranks, a shorter run: no decay).
     """
     position = min(max(progress, 0.0), 1.0) * total_steps
     pace = (total_steps - position) / max(1, end_step - step)

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from dflash_trainer.config import EQUAL, MAY_CHANGE, Config, config_to_dict, option_resume_rules, upgrade_saved_config
+from dflash_trainer.config import (EQUAL, RECOMPUTED, Config, TrainingConfig, config_to_dict, option_resume_rules,
+                                   upgrade_saved_config)
 from dflash_trainer.core.distributed import DistInfo
 from dflash_trainer.core.errors import ConfigError, UserError
 from dflash_trainer.core.fsutil import step_of
@@ -29,7 +30,7 @@ from dflash_trainer.data.resize import Resize, ResizedPlans
 from dflash_trainer.training.checkpoint import ResumeError, checkpoint_names, read_state, resolve_resume
 from dflash_trainer.training.components import EpochPlans, run_progress, run_steps
 from dflash_trainer.training.export import check_fits_target, read_drafter_config
-from dflash_trainer.training.optim import rescaled
+from dflash_trainer.training.optim import rescaled, schedule_end, schedule_lr
 
 log = logging.getLogger(__name__)
 
@@ -131,26 +132,35 @@ def _leaves(cfg: dict[str, Any], prefix: str = "") -> list[str]:
             for leaf in (_leaves(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"])]
 
 
-def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any]) -> None:
+# The resume itself: every resumed run sets it, so its change says nothing.
+_NOT_REPORTED = frozenset({"checkpoint.resume"})
+
+
+def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Refuse a resume whose config differs from the checkpoint's in an option that must stay
     :data:`~dflash_trainer.config.EQUAL` (the data order, the model, the meaning of the saved
-    state), naming the first; say which :data:`~dflash_trainer.config.RECOMPUTED` ones changed.
-    Each option declares its rule in ``config.py``; another world size is resumed (see
-    :mod:`dflash_trainer.data.resize`)."""
+    state), naming the first. Each option declares its rule in ``config.py``; another world
+    size is resumed (see :mod:`dflash_trainer.data.resize`).
+
+    Returns one line per option that may change and did (``MAY_CHANGE``, ``RECOMPUTED``) with
+    the checkpoint's value and this run's, for the resume to print: a changed lr or logging
+    interval takes effect at once, and the user sees that it does."""
     known = option_resume_rules()
     # An option this version does not know (not mapped by upgrade_saved_config): whether it
     # mattered cannot be told, so it counts as one that must stay equal.
     rules = {**known, **{key: EQUAL for key in _leaves(saved) if key not in known}}
+    changed = []
     for key, rule in rules.items():
         old, new = _pick(saved, key), _pick(current, key)
-        if old == new or rule == MAY_CHANGE:
+        if old == new or key in _NOT_REPORTED:
             continue
         if rule == EQUAL:
             now = f"is {new!r} now" if key in known else "is no option of this version"
             raise ResumeError(f"cannot resume: {key} was {old!r} in the checkpoint and {now}; "
                               f"resume with the checkpoint's config.yaml")
-        log.info("resume: %s was %r in the checkpoint and is %r now; what depends on it is "
-                 "recomputed", key, old, new)
+        then = "what depends on it is recomputed" if rule == RECOMPUTED else "applies from the first resumed step"
+        changed.append(f"resume: {key} changed from {old!r} (checkpoint) to {new!r}; {then}")
+    return changed
 
 
 def _plans(cfg: Config, lengths: Any, world_size: int, run: dict[str, Any],
@@ -201,7 +211,7 @@ def _choose(cfg: Config, dist: DistInfo, *, target_config: Any, tokenizer: Any,
     _refuse_old_layout(folder)
     saved = read_state(folder, ("run", "schedule", "data"))
     run, cursor = saved["run"], saved["data"][0]
-    check_resume_compatible(upgrade_saved_config(run["config"]), config_to_dict(cfg))
+    changed = check_resume_compatible(upgrade_saved_config(run["config"]), config_to_dict(cfg))
     check_fits_target(read_drafter_config(folder / "drafter"), target_config, tokenizer,
                       drafter=f"checkpoint.resume={folder}", target=cfg.model.target,
                       fix="resume with the target it was trained on", error=ResumeError)
@@ -222,6 +232,8 @@ def _choose(cfg: Config, dist: DistInfo, *, target_config: Any, tokenizer: Any,
                     "continuation and will be replaced as this run reaches their steps",
                     step, ", ".join(newer))
     print(f"resumed from {folder} at step {step}", flush=True)
+    for line in changed:
+        print(line, flush=True)
     return folder, {"run": run, "schedule": saved["schedule"], "cursor": cursor}
 
 
@@ -248,6 +260,21 @@ def _verdict(cfg: Config, dist: DistInfo, *, target_config: Any, tokenizer: Any,
     return chosen
 
 
+def describe_schedule(schedule: dict[str, Any], cfg: TrainingConfig, *, step: int, end: int,
+                      replanned: str | None) -> str:
+    """The one line a resume prints about its LR schedule: the lr of the first and the last
+    step still to train (1-based, as the logs count them), and why the curve was re-planned
+    (``replanned``; None: the checkpoint's curve goes on)."""
+    if step >= end:
+        return (f"LR schedule: nothing left to train, the checkpoint is at step {step} and the run "
+                f"ends there; raise training.max_steps or training.epochs to extend it")
+    first, last = schedule_lr(schedule, step, cfg=cfg), schedule_lr(schedule, end - 1, cfg=cfg)
+    how = ("the checkpoint's curve goes on" if replanned is None else
+           f"re-planned {replanned}: the rest follows the curve of an uninterrupted run from "
+           f"this run's progress and ends at step {end}")
+    return f"LR schedule: {how}; lr {first:.3g} at step {step + 1}, {last:.3g} at step {end}"
+
+
 def decide(cfg: Config, dist: DistInfo, *, target_config: Any, tokenizer: Any, data: Any) -> Resume:
     """The run's :class:`Resume` for ``checkpoint.resume`` (every rank, collectively): refused
     with a :class:`ResumeError` on every rank, or the plans, total steps and LR schedule state
@@ -260,12 +287,20 @@ def decide(cfg: Config, dist: DistInfo, *, target_config: Any, tokenizer: Any, d
         return Resume(folder=None, run={}, cursor=None, plans=plans, total_steps=total, schedule=None,
                       resizes=[])
     assert cursor is not None
-    schedule = saved["schedule"]
+    step, schedule = int(run["step"]), saved["schedule"]
+    ended = schedule_end(schedule)
+    if resized or ended != total:
+        uninterrupted = plans.plans if isinstance(plans, ResizedPlans) else plans
+        schedule = rescaled(step=step, total_steps=run_steps(uninterrupted, cfg.training), end_step=total,
+                            progress=run_progress(plans, cfg.training, epoch=cursor["epoch"], step=cursor["step"]))
     if resized:
-        schedule = rescaled(step=int(run["step"]), total_steps=run_steps(plans.plans, cfg.training),
-                            end_step=total, progress=run_progress(plans, cfg.training, epoch=cursor["epoch"],
-                                                                  step=cursor["step"]))
         cursor = {**cursor, "world_size": dist.world_size}
-    log.info("resuming from %s at optimizer step %d", folder, int(run["step"]))
+    if dist.is_main:
+        why = [f"for {dist.world_size} rank(s)"] if resized else []
+        if ended != total:
+            why.append(f"for the new end (the checkpoint's curve ended at step {ended})")
+        print(describe_schedule(schedule, cfg.training, step=step, end=total,
+                                replanned=" and ".join(why) or None), flush=True)
+    log.info("resuming from %s at optimizer step %d", folder, step)
     return Resume(folder=folder, run=run, cursor=cursor, plans=plans, total_steps=total, schedule=schedule,
                   resizes=resizes, resized=resized)

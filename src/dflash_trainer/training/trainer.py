@@ -43,6 +43,7 @@ from dflash_trainer.training.pipeline.pipeline import PipelineSettings, Training
 from dflash_trainer.training.pipeline.stage import GracefulStop
 from dflash_trainer.training.resume import Resume, check_run_folder, data_identity, decide
 from dflash_trainer.training.state import PER_RANK, DrafterWeights, JsonState, OptimizerState, RngStreams
+from dflash_trainer.training.tracker_checks import check_trackers
 from dflash_trainer.training.trackers import build_trackers
 
 log = logging.getLogger(__name__)
@@ -171,6 +172,7 @@ class Trainer:
         self._take_run_lock()
         try:
             # Before the slow loading: a refusal comes at once.
+            self._on_rank0(lambda: check_trackers(cfg.logging, self.run_dir))
             check_run_folder(cfg, overwrite=overwrite)
             inputs = load_inputs(cfg, self.dist)
             # Validated before anything is built or written, so a refused resume leaves the
@@ -277,16 +279,14 @@ class Trainer:
 
     # -- the run folder -------------------------------------------------------------------
 
-    def _take_run_lock(self) -> None:
-        """Lock the run folder (rank 0), or refuse on every rank when another process holds it.
-
-        Only rank 0 writes into the run folder, so only rank 0 locks it; the outcome is
-        broadcast so that every rank refuses together instead of waiting for rank 0 forever.
-        """
+    def _on_rank0(self, action: Callable[[], None]) -> None:
+        """Run ``action`` on rank 0 alone and refuse on every rank when it raised a user error:
+        the outcome is broadcast, so that every rank refuses together instead of waiting for
+        rank 0 forever (rank 0 prints the refusal; the others exit quietly)."""
         refusal: UserError | None = None
         if self.dist.is_main:
             try:
-                self.run_lock = run_folder_lock(self.run_dir).acquire()
+                action()
             except UserError as exc:
                 refusal = exc
         if self.dist.enabled:
@@ -295,8 +295,17 @@ class Trainer:
             if box[0] is not None and refusal is None:
                 kind, message = box[0]
                 refusal = kind(message)
+                refusal.reported_by_rank0 = True  # type: ignore[attr-defined]
         if refusal is not None:
             raise refusal
+
+    def _take_run_lock(self) -> None:
+        """Lock the run folder (rank 0), or refuse on every rank when another process holds it.
+        Only rank 0 writes into the run folder, so only rank 0 locks it."""
+        def take() -> None:
+            self.run_lock = run_folder_lock(self.run_dir).acquire()
+
+        self._on_rank0(take)
 
     def release_run_lock(self) -> None:
         """Release the run folder's lock (idempotent)."""
@@ -349,14 +358,11 @@ class Trainer:
         objects = {key: value for key, value in self.state_dict().items() if key not in skip}
         dcp.load(objects, storage_reader=dcp.FileSystemReader(resume.folder / TRAIN_DIR),
                  process_group=self.checkpoint_group, no_dist=self.checkpoint_group is None)
+        self.drafter_step.schedule.apply()  # the loaded optimizer state holds the checkpoint's lr
         self.record.load_state_dict(resume.run)
         if self._best.best is not None:
             self.checkpointer.mark_best(self._best.best["step"])
         self._snapshot_step = self.drafter_step.optimizer_step
-        if self.drafter_step.schedule.end_step != self.total_steps:
-            log.warning("the LR schedule of the checkpoint ends at step %d, this config at %d: the "
-                        "schedule keeps the checkpoint's curve; the run stops at step %d",
-                        self.drafter_step.schedule.end_step, self.total_steps, self.total_steps)
         if resume.resized:  # a new rank has no saved position or streams
             self.pipeline.prefetcher.load_state_dict(resume.cursor)
             self.rng.reseed(self.cfg.training.seed, self.drafter_step.optimizer_step, self.dist.rank)

@@ -44,6 +44,8 @@ class DrafterStep:
         self.parameters = parameters
         self.optimizer = optimizer
         self.schedule = schedule
+        self.last_lr = schedule.lr
+        """The lr of the last optimizer step (``train/lr``; before the first, the first's)."""
         self.cfg = cfg
         self.dist = dist_info
         self.device = dist_info.device
@@ -148,6 +150,9 @@ class DrafterStep:
         bad = ~torch.isfinite(grad_norm)
         step_unless(self.optimizer, bad)
         self.optimizer.zero_grad(set_to_none=True)
+        # The metric is the lr this step used: the schedule now holds the next step's, which
+        # after the last step is min_lr and would read as a step trained at it.
+        self.last_lr = self.schedule.lr
         self.schedule.step()
         with torch.no_grad():
             good = ~bad
@@ -199,7 +204,7 @@ class DrafterStep:
         metrics |= {
             "train/grad_norm": step_sums["grad_norm"] / good_steps,
             "train/grad_norm_max": Max(step_sums["grad_norm_max"]),
-            "train/lr": self.schedule.lr,
+            "train/lr": self.last_lr,
             "train/skipped_nonfinite": float(self.total_skipped),
             "train/step": float(self.optimizer_step),
             "train/tokens": Sum(float(self._tokens)),
