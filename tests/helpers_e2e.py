@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from conftest import with_guard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from dflash_trainer.core import assets
@@ -103,7 +104,7 @@ def load_with_transformers_alone(folder: Path, inputs: dict[str, torch.Tensor],
             torch.save(model.eval()(**torch.load({str(work / 'inputs.pt')!r})), {str(work / 'out.pt')!r})
         print(json.dumps({{"class": type(model).__name__, **{{k: sorted(v) for k, v in info.items()}}}}))
     """)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(work / "hf"), PYTHONPATH="")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(work / "hf"), PYTHONPATH=with_guard(""))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                             cwd=work, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -32,6 +32,7 @@ from dflash_trainer.data.regenerate import OpenAIBackend, regenerate
 from dflash_trainer.core.fsutil import disk_error
 from dflash_trainer.model.drafter import build_drafter
 from dflash_trainer.training.export import export_drafter
+from conftest import with_guard
 
 
 @pytest.fixture(scope="module")
@@ -450,7 +451,7 @@ def _run_dir_in_use(t: Path, d: Path) -> list[str]:
               "Path(sys.argv[2]).write_text('held'); time.sleep(30)")
     src = str(Path(__file__).resolve().parents[1] / "src")
     subprocess.Popen([sys.executable, "-c", script, str(d / "run"), str(ready)],
-                     env={**os.environ, "PYTHONPATH": src})
+                     env={**os.environ, "PYTHONPATH": with_guard(src)})
     deadline = time.monotonic() + 60
     while not ready.exists():
         assert time.monotonic() < deadline, "the lock holder did not start"
@@ -1190,7 +1191,7 @@ def _prepare_as_unprivileged(data: Path, cache: Path) -> tuple[int, str]:
     src = str(Path(__file__).resolve().parents[1] / "src")
     result = subprocess.run(["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", sys.executable, "-m",
                              "dflash_trainer", *argv], capture_output=True, text=True, timeout=120, check=False,
-                            env={**os.environ, "PYTHONPATH": src, "HF_HUB_OFFLINE": "1"})
+                            env={**os.environ, "PYTHONPATH": with_guard(src), "HF_HUB_OFFLINE": "1"})
     return result.returncode, result.stderr
 
 

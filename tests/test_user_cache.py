@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,20 +44,57 @@ def test_token_stores_and_targets_stay_the_users(user_cache: Path):
         assert (cache_root() / name).resolve() == (user_cache / name).resolve()
 
 
-@pytest.mark.slow
-def test_a_run_that_writes_a_measurement_into_the_user_cache_fails(tmp_path: Path):
-    """The session's own check, on a run whose "user cache" is a folder of this test: a test
-    that writes the dtype probe there by hand makes the run fail, naming the file."""
-    (tmp_path / "tests").mkdir()
-    conftest = Path(__file__).with_name("conftest.py")
-    (tmp_path / "tests" / "conftest.py").write_text(conftest.read_text())
-    (tmp_path / "tests" / "test_writes.py").write_text(
-        "def test_writes(user_cache):\n"
-        "    (user_cache / 'dtype-probe.json').write_text('{}')\n")
+WRITERS = {
+    "the test itself": "(user_cache / 'dtype-probe.json').write_text('{}')",
+    # A child the way the code writes the probe (an atomic rename), with a PYTHONPATH of its own.
+    "a child process": ("subprocess.run([sys.executable, '-c', 'import sys; from pathlib import Path; "
+                        "from dflash_trainer.core.fsutil import atomic_write_text; "
+                        "atomic_write_text(Path(sys.argv[1]) / \\'dtype-probe.json\\', \\'{}\\')', str(user_cache)], "
+                        "check=True, env={**os.environ, 'PYTHONPATH': with_guard(SRC)})"),
+}
+
+
+def _nested_run(tmp_path: Path, body: str) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """A pytest run of one test ``body`` under a copy of this session's conftest and recorder,
+    whose "user cache" is a folder of this test."""
+    tests = tmp_path / "tests"
+    shutil.copytree(Path(__file__).with_name("session_guard"), tests / "session_guard")
+    (tests / "conftest.py").write_text(Path(__file__).with_name("conftest.py").read_text())
+    (tests / "test_writes.py").write_text(
+        "import os, subprocess, sys\n"
+        "from conftest import with_guard\n"
+        f"SRC = {str(Path(__file__).resolve().parents[1] / 'src')!r}\n\n\n"
+        f"def test_writes(user_cache):\n    {body}\n")
     user = tmp_path / "user-cache"
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
                          cwd=tmp_path, env={**os.environ, "DFLASH_CACHE": str(user)},
                          capture_output=True, text=True, timeout=120)
+    return run, user
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_a_run_that_writes_a_measurement_into_the_user_cache_fails(tmp_path: Path, writer: str):
+    """The session's own check, on a run whose "user cache" is a folder of this test: a test, or
+    a process it starts, that writes the dtype probe there makes the run fail, naming the file and
+    the process."""
+    run, user = _nested_run(tmp_path, WRITERS[writer])
     assert run.returncode == 1, run.stdout + run.stderr
     assert f"wrote measurement caches into the user cache: {user / 'dtype-probe.json'}" in run.stdout
-    assert "1 passed" in run.stdout
+    assert "the writing processes:" in run.stdout and "1 passed" in run.stdout
+    if writer == "a child process":
+        assert "atomic_write_text" in run.stdout
+
+
+@pytest.mark.slow
+def test_a_write_by_a_process_outside_the_run_is_noted_not_blamed(tmp_path: Path):
+    """A process that is not the test run's (here one started without the session's variables,
+    as a ``make demo`` beside the tests would be) changes the user's probe during the run: noted,
+    and the run passes."""
+    outside = ("subprocess.run([sys.executable, '-c', 'import sys, pathlib; "
+               "pathlib.Path(sys.argv[1], \\'dtype-probe.json\\').write_text(\\'{}\\')', str(user_cache)], "
+               "check=True, env={k: v for k, v in os.environ.items() if not k.startswith(('DFLASH', 'PYTHONPATH'))})")
+    run, user = _nested_run(tmp_path, outside)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert (user / "dtype-probe.json").is_file()
+    assert f"note: {user / 'dtype-probe.json'} changed during the test run, by no process of it" in run.stdout
