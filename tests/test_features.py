@@ -37,6 +37,10 @@ LOSS_RTOL = 1e-5
 """Online and store losses per step, float32 features: the store's forward batches differ from
 the training batches (other rows padded together), which moves the target's float32 sums by a
 few ulps; with the same forward shapes they are bitwise equal (the test with one row a batch)."""
+LOSS_ATOL = 1e-6
+"""Beside :data:`LOSS_RTOL`: a KL loss near 0 (0.0066 here) is a difference of log-probabilities
+of about 10, so those few ulps are about 1e-6 of it absolute, a larger share than 1e-5 relative
+(2.2e-7, i.e. 3.3e-5, under the AVX2 kernels of ``make test-other-cpu``)."""
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +93,7 @@ def test_training_from_the_store_equals_online(store: Path, setup):
     a, b = losses(root / "online"), losses(root / "offline")
     assert a.keys() == b.keys() and a
     for step in a:
-        assert b[step] == pytest.approx(a[step], rel=LOSS_RTOL), step
+        assert b[step] == pytest.approx(a[step], rel=LOSS_RTOL, abs=LOSS_ATOL), step
     # The reader stage reports its own metrics; no target forward ran.
     rows = [json.loads(line) for line in (root / "offline" / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("pipe/store/read_mb", 0) > 0 for r in rows)
@@ -272,7 +276,7 @@ def test_two_ranks_build_their_own_shards_and_train_from_the_store(store: Path, 
     a, b = losses(tmp_path / "online"), losses(tmp_path / "offline")
     assert a.keys() == b.keys() and a
     for step in a:
-        assert b[step] == pytest.approx(a[step], rel=LOSS_RTOL), step
+        assert b[step] == pytest.approx(a[step], rel=LOSS_RTOL, abs=LOSS_ATOL), step
 
 
 def test_a_kl_store_trains_as_online(setup, tmp_path: Path):
@@ -288,7 +292,7 @@ def test_a_kl_store_trains_as_online(setup, tmp_path: Path):
     a, b = losses(tmp_path / "online"), losses(tmp_path / "offline")
     assert a.keys() == b.keys() and a
     for step in a:
-        assert b[step] == pytest.approx(a[step], rel=LOSS_RTOL), step
+        assert b[step] == pytest.approx(a[step], rel=LOSS_RTOL, abs=LOSS_ATOL), step
 
 
 def test_an_online_checkpoint_resumes_from_the_store(store: Path, setup, tmp_path: Path):
@@ -300,4 +304,4 @@ def test_an_online_checkpoint_resumes_from_the_store(store: Path, setup, tmp_pat
     a, b = losses(tmp_path / "full"), losses(tmp_path / "split")
     assert a.keys() == b.keys()
     for step in a:
-        assert b[step] == pytest.approx(a[step], rel=LOSS_RTOL), step
+        assert b[step] == pytest.approx(a[step], rel=LOSS_RTOL, abs=LOSS_ATOL), step
