@@ -55,13 +55,14 @@ def make_chat_jsonl(path: Path, *, num: int = 24, seed: int = 0) -> Path:
 
 def tiny_run_overrides(*, target: Path, data: Path, cache: Path, run_dir: Path) -> list[str]:
     """Config overrides of a short two-epoch run on a 3-layer ``make_tiny_target`` and a
-    16-sample ``make_chat_jsonl`` (one CPU thread, every step logged, no console/TensorBoard)."""
+    16-sample ``make_chat_jsonl`` (one CPU thread, every step logged, no console/TensorBoard, no
+    final evaluation)."""
     return [f"model.target={target}", f"data.paths=[{data}]", f"run_dir={run_dir}",
             f"data.cache_dir={cache}", "data.max_length=128", "data.heldout_samples=0",
             "model.target_layer_ids=[0,1]", "model.dtype=float32", "pipeline.tokens_per_batch=256",
             "pipeline.num_buckets=2", "pipeline.num_threads=1", "training.num_anchors=4",
             "training.epochs=2", "logging.every_steps=1", "logging.console=false",
-            "logging.tensorboard=false"]
+            "logging.tensorboard=false", "eval.final=false"]
 
 
 def wandb_records(run_file: Path) -> list[dict[str, Any]]:

@@ -411,7 +411,7 @@ class CheckpointConfig:
 
 
 @resume_rules(may_change=("prompts", "suite", "suite_prompts", "num_prompts", "max_new_tokens", "temperature",
-                          "every_steps", "in_training_prompts", "first_turn_only", "engine_threads",
+                          "every_steps", "final", "in_training_prompts", "first_turn_only", "engine_threads",
                           "engine_startup_timeout_s", "llama_cpp_build", "llama_cpp_target", "vllm_venv"))
 @dataclass(kw_only=True)
 class EvalConfig:
@@ -428,8 +428,16 @@ class EvalConfig:
     temperature: float = ranged(0.0, ge=0, le=100)
     """0 is greedy decoding; above 100 every token is about equally likely."""
     every_steps: int | None = ranged(None, ge=1, le=COUNT_MAX, none="to evaluate only at the end")
-    """In-training eval interval; None evaluates only at the end."""
+    """In-training eval interval; None evaluates only at the end (``eval.final``)."""
+    final: bool = True
+    """``train`` evaluates the final drafter when it completes: the first turns of the first
+    ``eval.in_training_prompts`` prompts of ``eval.prompts`` (``sharegpt-heldout``: the run's
+    held-out data), greedy, ``eval.max_new_tokens`` each; tau, the lossless check and the
+    speedup go to ``metrics.jsonl`` (``eval/*``), ``RUN_DIR/eval/final/`` and the report. Where
+    the trainer does not hold the whole target (``features.store``, ``engine.kind=vllm``, FSDP)
+    it prints how to run ``dflash-trainer eval`` instead."""
     in_training_prompts: int = ranged(8, ge=1, le=COUNT_MAX)
+    """Prompts of the in-training and the final evaluation."""
     first_turn_only: bool = False
     engine_threads: int | None = ranged(None, ge=1, le=4096, none="for every core")
     """Threads of each ``llama-server`` in ``eval --engine`` (one request runs at a time)."""

@@ -531,6 +531,7 @@ class InTrainingEval:
         self.timer = timer or PairedTimer()
         self.last_requests: list[RequestResult] = []
         self.last_speedup: SpeedupMeasurement | None = None
+        self.last_block_size: int | None = None
         self.inputs = [torch.tensor([list(ids)], dtype=torch.long, device=self.device) for ids in inputs]
         target_generate(target, self.inputs[0], max_new_tokens=min(max_new_tokens, 8),
                         stop_token_ids=self.stop_token_ids)  # warm-up, not timed
@@ -571,6 +572,7 @@ class InTrainingEval:
                                                timing=timing, margin=numerics_margin(param.dtype)))
         self.last_requests = requests
         self.last_speedup = run.measurement
+        self.last_block_size = int(module.block_size)
         s = summarize(requests, block_size=int(module.block_size), temperature=0.0, speedup=run.measurement)
         nan = float("nan")
         return {"eval/tau": s["tau"] if s["tau"] is not None else nan,
@@ -581,6 +583,27 @@ class InTrainingEval:
                 "eval/speedup": s["speedup"] if s["speedup"] is not None else nan,
                 "eval/speedup_reliable": nan if s["speedup_reliable"] is None else int(s["speedup_reliable"]),
                 "eval/spec_tokens_per_s": s["spec_tokens_per_s"] if s["spec_tokens_per_s"] is not None else nan}
+
+    def write_last(self, out_dir: Path, **fields: Any) -> tuple[Path, str]:
+        """Write the latest call's results as ``eval`` writes its own (``results.json`` and
+        ``acceptance_hist.png`` in ``out_dir``, where ``dflash-trainer report`` reads them), with
+        ``fields`` added to the summary; the results file and a one-line summary of it."""
+        assert self.last_block_size is not None, "write_last before the first call"
+        summary = summarize(self.last_requests, block_size=self.last_block_size, temperature=0.0,
+                            speedup=self.last_speedup)
+        summary.update(max_new_tokens=self.max_new_tokens, stop_token_ids=self.stop_token_ids,
+                       device=str(self.device),
+                       dtype=str(next(self.target.parameters()).dtype).removeprefix("torch."), **fields)
+        json_path, _ = write_results(EvalReport(summary=summary, requests=self.last_requests), out_dir)
+        lossless = {True: "yes", False: "NO", None: "not checked"}[summary["lossless"]]
+        source = f" {summary['prompts_source']}" if "prompts_source" in summary else ""
+        speedup = format_speedup(summary["speedup"], summary["speedup_reliable"],
+                                 summary["speedup_unreliable_reasons"])
+        line = (f"tau {_fmt(summary['tau'])} on {summary['prompts']}{source} prompts x {self.max_new_tokens} "
+                f"tokens (first turns, greedy), lossless {lossless} ({summary['lossless_identical']} identical, "
+                f"{summary['lossless_numerics']} by numerics, {summary['lossless_failures']} wrong "
+                f"acceptances), speedup {speedup}")
+        return json_path, line
 
 
 # --- command --------------------------------------------------------------------------------

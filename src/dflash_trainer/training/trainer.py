@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -37,6 +37,7 @@ from dflash_trainer.core.locks import FolderLock, run_folder_lock
 from dflash_trainer.model.batch import Batch
 from dflash_trainer.model.drafter import drafter_class
 from dflash_trainer.training.export import export_drafter
+from dflash_trainer.training.final_eval import EvaluatorFactory, evaluate_final, final_eval_obstacle
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
 from dflash_trainer.training.pipeline.drafter_step import DrafterStep
 from dflash_trainer.training.pipeline.pipeline import PipelineSettings, TrainingPipeline, plan_metrics
@@ -132,14 +133,6 @@ class RunRecord:
         self.trainer._best.best = state.get("best")
 
 
-class EvaluatorFactory(Protocol):
-    """Builds the in-training evaluation (``eval.every_steps``) from the run's config, target and
-    tokenizer; passed in by the command line, so that training never imports evaluation."""
-
-    def __call__(self, cfg: Config, *, target: torch.nn.Module,
-                 tokenizer: Any) -> Callable[[torch.nn.Module], dict[str, float]]: ...
-
-
 class Trainer:
     """One rank's run: components, pipeline, trackers, checkpoints and in-training eval.
 
@@ -211,10 +204,17 @@ class Trainer:
                 resume_run_id=self.resume.run.get("tracker_run_id"),
                 total_steps=self.total_steps, max_time_s=cfg.training.max_time_s)
             self.in_training_eval = None
-            if cfg.eval.every_steps and self.dist.is_main:
-                if evaluator is None:
-                    raise ConfigError(f"eval.every_steps={cfg.eval.every_steps} needs an evaluator: run "
-                                      "`dflash-trainer train`, or pass Trainer(evaluator=...)")
+            self.final_eval_skipped: str | None = None
+            """Why ``eval.final`` cannot evaluate on this trainer (printed at the end), or None."""
+            if cfg.eval.every_steps and self.dist.is_main and evaluator is None:
+                raise ConfigError(f"eval.every_steps={cfg.eval.every_steps} needs an evaluator: run "
+                                  "`dflash-trainer train`, or pass Trainer(evaluator=...)")
+            # Without an evaluator the caller evaluates itself (the demo, before and after).
+            if cfg.eval.final and not cfg.eval.every_steps and self.dist.is_main and evaluator is not None:
+                self.final_eval_skipped = final_eval_obstacle(cfg, self.dist, self.parts)
+            if self.dist.is_main and evaluator is not None and (
+                    cfg.eval.every_steps or (cfg.eval.final and self.final_eval_skipped is None)):
+                # Built now: a bad prompt file is refused before training, not after it.
                 self.in_training_eval = evaluator(cfg, target=self.target, tokenizer=self.parts.tokenizer)
             self.pipeline = TrainingPipeline(
                 data=self.parts.data, plans=self.parts.plans, extract=self.parts.extractor or self.parts.engine,
@@ -558,11 +558,6 @@ class Trainer:
 
     def _finish(self, stopped_by: str, seconds: float) -> None:
         self.checkpointer.wait()
-        # A stop (signal, stop_after_steps) is a pause: exit fast, the resumed run evaluates.
-        finished = stopped_by in ("completed", "max_time_s")
-        if finished and self.in_training_eval is not None and self.drafter_step.optimizer_step % (
-                self.cfg.eval.every_steps or 1):
-            self.trackers.log(self.in_training_eval(self.drafter), self.drafter_step.optimizer_step)
         sharded_state = full_model_state(self.drafter) if is_sharded(self.drafter) else None
         if not self.dist.is_main:
             return
@@ -577,6 +572,20 @@ class Trainer:
             best = f"; best checkpoint step-{b['step']} ({b['metric']} {b['value']:.4g})"
         print(f"training {stopped_by} after {self.drafter_step.optimizer_step} steps in {seconds:.0f} s; "
               f"drafter exported to {out}; checkpoints in {self.ckpt_dir}{best}", flush=True)
+        # A stop (signal, stop_after_steps) is a pause: exit fast, the resumed run evaluates.
+        if stopped_by in ("completed", "max_time_s") and self.cfg.eval.final:
+            self._evaluate_final()
+
+    def _evaluate_final(self) -> None:
+        """``eval.final`` on rank 0, after the export: a failure here loses no training."""
+        step, every = self.drafter_step.optimizer_step, self.cfg.eval.every_steps
+        if self.in_training_eval is not None:
+            print(evaluate_final(self.in_training_eval, self.drafter, cfg=self.cfg, step=step,
+                                 evaluated=bool(every) and step % every == 0, trackers=self.trackers),
+                  flush=True)
+        elif self.final_eval_skipped is not None:
+            print(f"final evaluation skipped: {self.final_eval_skipped} (eval.final=false turns it off)",
+                  flush=True)
 
     def close(self, *, keep_run_lock: bool = False) -> None:
         """Stop the pipeline, finish pending checkpoint writes, close trackers and hooks, then
