@@ -61,7 +61,7 @@ def train_args(target: Path, tmp: Path, data: Path, *extra: str) -> list[str]:
     return ["train", *data_args(target, tmp, data), f"run_dir={tmp / 'run'}",
             "model.target_layer_ids=[0,1]", "training.max_steps=1", "pipeline.num_threads=1",
             "logging.console=false", "logging.tensorboard=false", "training.num_anchors=4",
-            *extra]
+            "eval.final=false", *extra]
 
 
 def checkpoint(tmp: Path, target: Path) -> Path:

@@ -39,13 +39,14 @@ def probe_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def config_file(tmp_path: Path, *extra: str) -> Path:
-    """A config file of a short run on a tiny target with ``model.dtype: auto`` (the default)."""
+    """A config file of a short run on a tiny target with ``model.dtype: auto`` and ``eval.final:
+    true`` (the defaults)."""
     root = tmp_path / "assets"
     target = make_tiny_target(root / "target", layers=3, hidden=32)
     data = make_chat_jsonl(root / "chat.jsonl", num=12)
     overrides = [o for o in tiny_run_overrides(target=target, data=data, cache=root / "tokens",
                                                run_dir=tmp_path / "unused")
-                 if not o.startswith(("model.dtype=", "run_dir="))]
+                 if not o.startswith(("model.dtype=", "run_dir=", "eval.final="))]
     overrides += ["training.epochs=1", *extra]
     cfg: dict = {}
     for item in overrides:
@@ -88,6 +89,11 @@ def test_the_docs_two_command_flow_runs_as_written_with_dtype_auto(tmp_path: Pat
     assert stored == entry["choice"]
     assert f"model.dtype auto: {stored}, the dtype the feature store {store} was computed in" in out
     assert (run_dir / "drafter" / "model.safetensors").is_file()
+    # The store holds no whole target to decode with: train says how to evaluate instead.
+    assert (f"final evaluation skipped: training from features.store loads only the target's embedding, "
+            f"final norm and LM head; evaluate the exported drafter with `dflash-trainer eval --config "
+            f"{run_dir / 'config.yaml'} --drafter {run_dir / 'drafter'}` (eval.final=false turns it off)") in out
+    assert not (run_dir / "eval").exists()
     # eval and demo resolve the config the same way, from the same decision.
     assert config_dtype(load_config(str(config)).model, "cpu") is DTYPES[stored]
     assert len(json.loads(probe_cache.read_text())) == 1

@@ -41,7 +41,7 @@ def overrides(target: Path, data: Path, run_dir: Path, *extra: str) -> list[str]
             f"data.cache_dir={run_dir.parent / 'cache'}", "data.max_length=256",
             "data.heldout_samples=0", "pipeline.tokens_per_batch=512", "pipeline.num_buckets=3",
             "training.num_anchors=16", "training.epochs=2", "logging.every_steps=2",
-            "logging.console=false", "training.lr=1e-3", *extra]
+            "logging.console=false", "training.lr=1e-3", "eval.final=false", *extra]
 
 
 def read_jsonl(path: Path) -> list[dict]:
