@@ -4,6 +4,8 @@ hold the whole target says how to evaluate instead."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +19,7 @@ from dflash_trainer.core.distributed import DistInfo
 from dflash_trainer.evaluation.prompt_sets import mtbench_prompts
 from dflash_trainer.reporting.report import read_evals, read_metrics, summarize, verdict
 from dflash_trainer.training.final_eval import final_eval_obstacle
-from helpers_e2e import make_chat_jsonl, make_tiny_target, tiny_run_overrides
+from helpers_e2e import make_chat_jsonl, make_tiny_target, run_losses, tiny_run_overrides
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +41,21 @@ def eval_taus(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["eval/tau"] for r in rows if "eval/tau" in r}
 
 
-def test_train_evaluates_the_final_drafter_and_the_report_shows_it(setup, tmp_path, capsys):
-    run_dir = tmp_path / "run"
-    assert train(setup, run_dir, "eval.final=true") == 0
-    out = capsys.readouterr().out
+@pytest.fixture(scope="module")
+def runs(setup, tmp_path_factory) -> dict[bool, tuple[Path, str]]:
+    """eval.final -> (run folder, console output) of the same short run."""
+    out = {}
+    for final in (True, False):
+        run_dir = tmp_path_factory.mktemp("runs") / f"final-{final}"
+        capture = io.StringIO()
+        with contextlib.redirect_stdout(capture):
+            assert train(setup, run_dir, f"eval.final={str(final).lower()}") == 0
+        out[final] = (run_dir, capture.getvalue())
+    return out
+
+
+def test_train_evaluates_the_final_drafter_and_the_report_shows_it(runs):
+    run_dir, out = runs[True]
     results = json.loads((run_dir / "eval" / "final" / "results.json").read_text())
     # The first turns of the first eval.in_training_prompts prompts, greedy, lossless, with tau.
     assert [r["prompt_text"] for r in results["per_prompt"]] == [p.turns[0] for p in mtbench_prompts()[:2]]
@@ -66,14 +79,14 @@ def test_train_evaluates_the_final_drafter_and_the_report_shows_it(setup, tmp_pa
     assert "eval/final, 2 mtbench prompts x 8 tokens" in index
 
 
-def test_eval_final_false_evaluates_nothing(setup, tmp_path, capsys):
-    run_dir = tmp_path / "run"
-    assert train(setup, run_dir, "eval.final=false") == 0
-    out = capsys.readouterr().out
+def test_eval_final_false_evaluates_nothing_and_trains_the_same(runs):
+    run_dir, out = runs[False]
     assert not (run_dir / "eval").exists() and eval_taus(run_dir) == {}
     assert "final evaluation" not in out
     evals, _ = read_evals(run_dir / "eval")
     assert verdict(read_metrics(run_dir / "metrics.jsonl"), evals).trained_source == "no evaluation"
+    # Building the evaluator before training draws no random number the training uses.
+    assert run_losses(run_dir) == run_losses(runs[True][0])
 
 
 def test_a_bad_prompt_file_is_refused_before_training(setup, tmp_path, capsys):
