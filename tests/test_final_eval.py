@@ -111,9 +111,9 @@ def _parts(**kw):
     (["engine.kind=vllm"], False, _parts(engine=object()),
      "the engine (engine.kind=vllm) holds the target, not the trainer; evaluate the exported drafter"),
     (["distributed.target=fsdp"], True, _parts(),
-     "distributed.target=fsdp shards the model over the ranks and the evaluation runs on rank 0 alone; evaluate"),
-    (["distributed.drafter=fsdp"], True, _parts(), "distributed.drafter=fsdp shards the model"),
-    (["distributed.drafter=fsdp"], False, _parts(), None),  # one process: nothing is sharded
+     "distributed.target=fsdp shards the target over the ranks and the evaluation runs on rank 0 alone; evaluate"),
+    (["distributed.target=fsdp"], False, _parts(), None),  # one process: nothing is sharded
+    (["distributed.drafter=fsdp"], True, _parts(), None),  # gathered for the export, evaluated whole
     ([], False, _parts(tokenizer=SimpleNamespace(chat_template=None)),
      "the target's tokenizer has no chat template to render the evaluation prompts with"),
     ([], False, _parts(tokenizer=None), "the target's tokenizer has no chat template"),

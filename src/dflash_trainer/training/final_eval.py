@@ -42,14 +42,13 @@ def final_eval_obstacle(cfg: Config, dist: DistInfo, parts: Components) -> str |
     can. The evaluation runs on rank 0 alone with the whole target and its chat template."""
     instead = (f"evaluate the exported drafter with `dflash-trainer eval --config {Path(cfg.run_dir) / 'config.yaml'} "
                f"--drafter {Path(cfg.run_dir) / 'drafter'}`")
-    sharded = [f"distributed.{name}=fsdp" for name, value in (("drafter", cfg.distributed.drafter),
-                                                             ("target", cfg.distributed.target)) if value == "fsdp"]
     if parts.store is not None:
         why = "training from features.store loads only the target's embedding, final norm and LM head"
     elif parts.engine is not None:
         why = f"the engine (engine.kind={cfg.engine.kind}) holds the target, not the trainer"
-    elif dist.enabled and sharded:
-        why = f"{sharded[0]} shards the model over the ranks and the evaluation runs on rank 0 alone"
+    elif dist.enabled and cfg.distributed.target == "fsdp":
+        # A sharded drafter is gathered for the export, and that whole copy is evaluated.
+        why = "distributed.target=fsdp shards the target over the ranks and the evaluation runs on rank 0 alone"
     elif not getattr(parts.tokenizer, "chat_template", None):
         return ("the target's tokenizer has no chat template to render the evaluation prompts with; "
                 "evaluate with a target folder whose tokenizer has one")

@@ -574,13 +574,15 @@ class Trainer:
               f"drafter exported to {out}; checkpoints in {self.ckpt_dir}{best}", flush=True)
         # A stop (signal, stop_after_steps) is a pause: exit fast, the resumed run evaluates.
         if stopped_by in ("completed", "max_time_s") and self.cfg.eval.final:
-            self._evaluate_final()
+            self._evaluate_final(drafter)
 
-    def _evaluate_final(self) -> None:
-        """``eval.final`` on rank 0, after the export: a failure here loses no training."""
+    def _evaluate_final(self, drafter: torch.nn.Module) -> None:
+        """``eval.final`` on rank 0 of ``drafter`` (the whole one that was exported), after the
+        export: a failure here loses no training."""
         step, every = self.drafter_step.optimizer_step, self.cfg.eval.every_steps
         if self.in_training_eval is not None:
-            print(evaluate_final(self.in_training_eval, self.drafter, cfg=self.cfg, step=step,
+            # An FSDP drafter was gathered into a plain one on the host for the export.
+            print(evaluate_final(self.in_training_eval, drafter.to(self.device), cfg=self.cfg, step=step,
                                  evaluated=bool(every) and step % every == 0, trackers=self.trackers),
                   flush=True)
         elif self.final_eval_skipped is not None:
