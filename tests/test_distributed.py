@@ -683,7 +683,7 @@ def test_a_corrupt_shard_is_reported_once_by_rank_0(ddp_run, assets_dir, tmp_pat
 @pytest.mark.slow
 def test_fsdp_drafter_and_sharded_target_train_like_ddp(ddp_run, assets_dir):
     run = torchrun(assets_dir, assets_dir / "fsdp", "distributed.drafter=fsdp",
-                   "distributed.target=fsdp")
+                   "distributed.target=fsdp", "eval.final=true")
     for key in ("train/loss", "train/grad_norm"):
         assert per_step(run, key) == pytest.approx(per_step(ddp_run, key), rel=TRAIN_RTOL), key
     # Each rank wrote its own shards; read back whole, they are the DDP run's weights.
@@ -694,6 +694,10 @@ def test_fsdp_drafter_and_sharded_target_train_like_ddp(ddp_run, assets_dir):
     shards = sorted(p.name for p in (run / "checkpoints" / "step-6" / "train").glob("*.distcp"))
     assert shards == ["__0_0.distcp", "__1_0.distcp"]
     assert (run / "drafter" / "model.safetensors").is_file()
+    # Rank 0 cannot decode with a sharded target: the final evaluation says what to run instead.
+    log = (run.parent / f"{run.name}.log").read_text()
+    assert log.count("final evaluation skipped: distributed.target=fsdp shards the target") == 1
+    assert f"dflash-trainer eval --config {run / 'config.yaml'} --drafter {run / 'drafter'}" in log
 
 
 # -- a sharded target's stop: every rank runs the same target forwards ----------------------------
