@@ -1,6 +1,6 @@
-"""``dflash-trainer train``: build the Trainer with the in-training evaluation, train, and write
-the run's report; here, not in :mod:`dflash_trainer.training`, because training never imports
-evaluation or reporting."""
+"""``dflash-trainer train``: build the Trainer with the in-training and final evaluation, train,
+and write the run's report; here, not in :mod:`dflash_trainer.training`, because training never
+imports evaluation or reporting."""
 
 from __future__ import annotations
 
