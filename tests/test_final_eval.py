@@ -16,9 +16,11 @@ import torch
 from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.config import load_config
 from dflash_trainer.core.distributed import DistInfo
+from dflash_trainer.evaluation.evaluate import InTrainingEval
 from dflash_trainer.evaluation.prompt_sets import mtbench_prompts
 from dflash_trainer.reporting.report import read_evals, read_metrics, summarize, verdict
 from dflash_trainer.training.final_eval import final_eval_obstacle
+from dflash_trainer.training.trainer import Trainer
 from helpers_e2e import make_chat_jsonl, make_tiny_target, run_losses, tiny_run_overrides
 
 
@@ -87,6 +89,22 @@ def test_eval_final_false_evaluates_nothing_and_trains_the_same(runs):
     assert verdict(read_metrics(run_dir / "metrics.jsonl"), evals).trained_source == "no evaluation"
     # Building the evaluator before training draws no random number the training uses.
     assert run_losses(run_dir) == run_losses(runs[True][0])
+
+
+def test_with_eval_every_steps_the_last_step_is_evaluated_once(setup, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*tiny_run_overrides(target=setup["target"], data=setup["data"], cache=setup["cache"], run_dir=run_dir),
+            "training.max_steps=4", "eval.every_steps=2", "eval.final=true", "eval.prompts=mtbench",
+            "eval.in_training_prompts=1", "eval.max_new_tokens=8"]
+    trainer = Trainer(load_config(None, args), evaluator=InTrainingEval.from_config)
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval/tau" in r] == [2, 4]  # step 4 not evaluated twice
+    results = json.loads((run_dir / "eval" / "final" / "results.json").read_text())
+    assert results["step"] == 4 and results["tau"] == pytest.approx(eval_taus(run_dir)[4])
 
 
 def test_a_bad_prompt_file_is_refused_before_training(setup, tmp_path, capsys):
