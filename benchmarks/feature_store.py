@@ -34,8 +34,9 @@ from typing import Any
 from dflash_trainer.features.manifest import Manifest
 
 DEFAULTS = ("training.max_steps=null", "logging.every_steps=1", "logging.console=false",
-            "logging.tensorboard=false", "checkpoint.async_save=false")
-"""Every arm's settings: epochs decide the run's length; every step logged for its timing."""
+            "logging.tensorboard=false", "checkpoint.async_save=false", "eval.final=false")
+"""Every arm's settings: epochs decide the run's length; every step logged for its timing; no
+final evaluation (the store arms cannot run one, so it would lengthen the online arm alone)."""
 
 QWEN3_8B = {"layers": 5, "hidden": 4096, "bytes": 2}
 """The recipe's feature shapes (configs/qwen3-8b.yaml: 5 tapped layers of 4096, bf16)."""

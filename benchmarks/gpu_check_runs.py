@@ -100,16 +100,16 @@ def make_chat_file(path: Path, *, num: int = 32) -> Path:
 
 
 def run_overrides(root: Path, run_dir: Path, device: torch.device, *extra: str) -> list[str]:
-    """A short run on the folder's model and chat file, every step logged. SDPA: compiled
-    FlexAttention is the recompiles section's; here it would only add its compile time to
-    every process."""
+    """A short run on the folder's model and chat file, every step logged, no final evaluation
+    (these sections check training; device time is short). SDPA: compiled FlexAttention is the
+    recompiles section's; here it would only add its compile time to every process."""
     return [f"model.target={root / 'target'}", f"data.paths=[{root / 'chat.jsonl'}]",
             "model.attention=sdpa",
             f"run_dir={run_dir}", f"data.cache_dir={root / 'cache'}", "data.max_length=128",
             "data.heldout_samples=0", "model.target_layer_ids=[0,1]",
             "pipeline.tokens_per_batch=256", "pipeline.num_buckets=2", "training.num_anchors=8",
             "logging.every_steps=1", "logging.console=false", "logging.tensorboard=false",
-            f"pipeline.device={device.type}",
+            "eval.final=false", f"pipeline.device={device.type}",
             *(["model.dtype=float32", "pipeline.num_threads=1"] if device.type == "cpu" else []),
             *extra]
 
