@@ -71,7 +71,7 @@ def documented_commands() -> list[list[str]]:
 
 
 def test_the_docs_two_command_flow_runs_as_written_with_dtype_auto(tmp_path: Path, probe_cache: Path, capsys):
-    config = config_file(tmp_path)
+    config = config_file(tmp_path, "eval.in_training_prompts=2", "eval.max_new_tokens=8")
     assert load_config(str(config)).model.dtype == "auto"
     store, run_dir = tmp_path / "stores" / "demo", tmp_path / "runs" / "lr1"
     written = {"configs/demo-cpu.yaml": str(config), "stores/demo": str(store), "runs/lr1": str(run_dir)}
@@ -89,11 +89,10 @@ def test_the_docs_two_command_flow_runs_as_written_with_dtype_auto(tmp_path: Pat
     assert stored == entry["choice"]
     assert f"model.dtype auto: {stored}, the dtype the feature store {store} was computed in" in out
     assert (run_dir / "drafter" / "model.safetensors").is_file()
-    # The store holds no whole target to decode with: train says how to evaluate instead.
-    assert (f"final evaluation skipped: training from features.store loads only the target's embedding, "
-            f"final norm and LM head; evaluate the exported drafter with `dflash-trainer eval --config "
-            f"{run_dir / 'config.yaml'} --drafter {run_dir / 'drafter'}` (eval.final=false turns it off)") in out
-    assert not (run_dir / "eval").exists()
+    # The store run holds only the target's embedding and head: the final evaluation loads it whole.
+    results = json.loads((run_dir / "eval" / "final" / "results.json").read_text())
+    assert results["lossless"] is True and results["dtype"] == stored and len(results["per_prompt"]) == 2
+    assert f"final evaluation (step {results['step']}): tau {results['tau']:.3f} on 2 mtbench prompts" in out
     # eval and demo resolve the config the same way, from the same decision.
     assert config_dtype(load_config(str(config)).model, "cpu") is DTYPES[stored]
     assert len(json.loads(probe_cache.read_text())) == 1

@@ -19,6 +19,7 @@ from dflash_trainer.core.distributed import DistInfo
 from dflash_trainer.evaluation.evaluate import InTrainingEval
 from dflash_trainer.evaluation.prompt_sets import mtbench_prompts
 from dflash_trainer.reporting.report import read_evals, read_metrics, summarize, verdict
+from dflash_trainer.training import final_eval
 from dflash_trainer.training.final_eval import final_eval_obstacle
 from dflash_trainer.training.trainer import Trainer
 from helpers_e2e import make_chat_jsonl, make_tiny_target, run_losses, tiny_run_overrides
@@ -123,11 +124,10 @@ def _parts(**kw):
 
 @pytest.mark.parametrize(("overrides", "dist", "parts", "expected"), [
     ([], False, _parts(), None),
-    (["features.store=/s"], False, _parts(store=object()),
-     "training from features.store loads only the target's embedding, final norm and LM head; "
-     "evaluate the exported drafter with `dflash-trainer eval --config runs/x/config.yaml --drafter runs/x/drafter`"),
+    (["features.store=/s"], False, _parts(store=object()), None),  # loads the whole target at the end
     (["engine.kind=vllm"], False, _parts(engine=object()),
-     "the engine (engine.kind=vllm) holds the target, not the trainer; evaluate the exported drafter"),
+     "the engine (engine.kind=vllm) holds the target, not the trainer; "
+     "evaluate the exported drafter with `dflash-trainer eval --config runs/x/config.yaml --drafter runs/x/drafter`"),
     (["distributed.target=fsdp"], True, _parts(),
      "distributed.target=fsdp shards the target over the ranks and the evaluation runs on rank 0 alone; evaluate"),
     (["distributed.target=fsdp"], False, _parts(), None),  # one process: nothing is sharded
@@ -141,3 +141,15 @@ def test_final_eval_obstacles(overrides, dist, parts, expected):
     info = DistInfo(rank=0, world_size=2 if dist else 1, local_rank=0, device=torch.device("cpu"))
     found = final_eval_obstacle(cfg, info, parts)
     assert found == expected if expected is None else found.startswith(expected)
+
+
+def test_a_whole_target_that_does_not_fit_beside_the_training_state_skips_with_the_eval_command(monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(final_eval, "load_target", out_of_memory)
+    cfg = load_config(None, ["run_dir=runs/x", "model.target=smollm2"])
+    parts = SimpleNamespace(device=torch.device("cpu"), compute_dtype=torch.float32)
+    assert final_eval.load_whole_target(cfg, parts) == (
+        "the whole target smollm2 does not fit in cpu's memory beside the training state; evaluate the "
+        "exported drafter with `dflash-trainer eval --config runs/x/config.yaml --drafter runs/x/drafter`")

@@ -433,9 +433,10 @@ class EvalConfig:
     """``train`` evaluates the final drafter when it completes: the first turns of the first
     ``eval.in_training_prompts`` prompts of ``eval.prompts`` (``sharegpt-heldout``: the run's
     held-out data), greedy, ``eval.max_new_tokens`` each; tau, the lossless check and the
-    speedup go to ``metrics.jsonl`` (``eval/*``), ``RUN_DIR/eval/final/`` and the report. Where
-    the trainer does not hold the whole target (``features.store``, ``engine.kind=vllm``,
-    ``distributed.target=fsdp``) it prints how to run ``dflash-trainer eval`` instead."""
+    speedup go to ``metrics.jsonl`` (``eval/*``), ``RUN_DIR/eval/final/`` and the report. A run
+    from ``features.store`` loads the whole target for it at the end; where the trainer cannot
+    hold it (``engine.kind=vllm``, ``distributed.target=fsdp``) it prints how to run
+    ``dflash-trainer eval`` instead."""
     in_training_prompts: int = ranged(8, ge=1, le=COUNT_MAX)
     """Prompts of the in-training and the final evaluation."""
     first_turn_only: bool = False

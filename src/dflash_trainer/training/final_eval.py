@@ -10,7 +10,9 @@ from typing import Any, Protocol
 import torch
 
 from dflash_trainer.config import Config
+from dflash_trainer.core.assets import resolve_target
 from dflash_trainer.core.distributed import DistInfo
+from dflash_trainer.model.target import load_target
 from dflash_trainer.training.components import Components
 from dflash_trainer.training.trackers import Tracker
 
@@ -37,14 +39,18 @@ class EvaluatorFactory(Protocol):
     def __call__(self, cfg: Config, *, target: torch.nn.Module, tokenizer: Any) -> Evaluator: ...
 
 
+def eval_command(cfg: Config) -> str:
+    """What evaluates the run's exported drafter instead."""
+    return (f"evaluate the exported drafter with `dflash-trainer eval --config {Path(cfg.run_dir) / 'config.yaml'} "
+            f"--drafter {Path(cfg.run_dir) / 'drafter'}`")
+
+
 def final_eval_obstacle(cfg: Config, dist: DistInfo, parts: Components) -> str | None:
     """Why this trainer cannot evaluate its final drafter, with what to do instead; None when it
-    can. The evaluation runs on rank 0 alone with the whole target and its chat template."""
-    instead = (f"evaluate the exported drafter with `dflash-trainer eval --config {Path(cfg.run_dir) / 'config.yaml'} "
-               f"--drafter {Path(cfg.run_dir) / 'drafter'}`")
-    if parts.store is not None:
-        why = "training from features.store loads only the target's embedding, final norm and LM head"
-    elif parts.engine is not None:
+    can. The evaluation runs on rank 0 alone with the whole target and its chat template (a
+    store run loads the whole target at the end: :func:`load_whole_target`)."""
+    instead = eval_command(cfg)
+    if parts.engine is not None:
         why = f"the engine (engine.kind={cfg.engine.kind}) holds the target, not the trainer"
     elif dist.enabled and cfg.distributed.target == "fsdp":
         # A sharded drafter is gathered for the export, and that whole copy is evaluated.
@@ -55,6 +61,24 @@ def final_eval_obstacle(cfg: Config, dist: DistInfo, parts: Components) -> str |
     else:
         return None
     return f"{why}; {instead}"
+
+
+def holds_part_of_target(parts: Components) -> bool:
+    """Whether the trainer holds only the target's embedding, final norm and LM head (a run from
+    ``features.store``): the final evaluation loads the whole target then."""
+    return parts.store is not None
+
+
+def load_whole_target(cfg: Config, parts: Components) -> torch.nn.Module | str:
+    """The whole target on the trainer's device and dtype, for the final evaluation of a store
+    run; where it does not fit beside the training state, why, with what to do instead."""
+    try:
+        target, _ = load_target(str(resolve_target(cfg.model.target)), device=parts.device,
+                                dtype=parts.compute_dtype)
+    except torch.OutOfMemoryError:
+        return (f"the whole target {cfg.model.target} does not fit in {parts.device}'s memory beside the "
+                f"training state; {eval_command(cfg)}")
+    return target
 
 
 def evaluate_final(evaluator: Evaluator, drafter: torch.nn.Module, *, cfg: Config, step: int,

@@ -37,7 +37,8 @@ from dflash_trainer.core.locks import FolderLock, run_folder_lock
 from dflash_trainer.model.batch import Batch
 from dflash_trainer.model.drafter import drafter_class
 from dflash_trainer.training.export import export_drafter
-from dflash_trainer.training.final_eval import EvaluatorFactory, evaluate_final, final_eval_obstacle
+from dflash_trainer.training.final_eval import (
+    EvaluatorFactory, evaluate_final, final_eval_obstacle, holds_part_of_target, load_whole_target)
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
 from dflash_trainer.training.pipeline.drafter_step import DrafterStep
 from dflash_trainer.training.pipeline.pipeline import PipelineSettings, TrainingPipeline, plan_metrics
@@ -209,10 +210,14 @@ class Trainer:
             if cfg.eval.every_steps and self.dist.is_main and evaluator is None:
                 raise ConfigError(f"eval.every_steps={cfg.eval.every_steps} needs an evaluator: run "
                                   "`dflash-trainer train`, or pass Trainer(evaluator=...)")
+            self._final_evaluator: EvaluatorFactory | None = None
+            """Builds the final evaluation at the end, with the whole target loaded then (a store run)."""
             # Without an evaluator the caller evaluates itself (the demo, before and after).
             if cfg.eval.final and not cfg.eval.every_steps and self.dist.is_main and evaluator is not None:
                 self.final_eval_skipped = final_eval_obstacle(cfg, self.dist, self.parts)
-            if self.dist.is_main and evaluator is not None and (
+                if self.final_eval_skipped is None and holds_part_of_target(self.parts):
+                    self._final_evaluator = evaluator
+            if self.dist.is_main and evaluator is not None and self._final_evaluator is None and (
                     cfg.eval.every_steps or (cfg.eval.final and self.final_eval_skipped is None)):
                 # Built now: a bad prompt file is refused before training, not after it.
                 self.in_training_eval = evaluator(cfg, target=self.target, tokenizer=self.parts.tokenizer)
@@ -580,6 +585,12 @@ class Trainer:
         """``eval.final`` on rank 0 of ``drafter`` (the whole one that was exported), after the
         export: a failure here loses no training."""
         step, every = self.drafter_step.optimizer_step, self.cfg.eval.every_steps
+        if self._final_evaluator is not None:
+            target = load_whole_target(self.cfg, self.parts)
+            if isinstance(target, str):
+                self.final_eval_skipped = target
+            else:
+                self.in_training_eval = self._final_evaluator(self.cfg, target=target, tokenizer=self.tokenizer)
         if self.in_training_eval is not None:
             # An FSDP drafter was gathered into a plain one on the host for the export.
             print(evaluate_final(self.in_training_eval, drafter.to(self.device), cfg=self.cfg, step=step,
