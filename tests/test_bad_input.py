@@ -945,24 +945,22 @@ def test_a_full_or_read_only_disk_is_one_line(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
 @pytest.mark.slow
-def test_a_disk_error_while_closing_after_a_failure_is_one_line(
+def test_a_metrics_file_on_a_full_disk_is_one_line_and_closes_cleanly(
         target: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         caplog: pytest.LogCaptureFixture) -> None:
-    """metrics.jsonl on a full disk: its first line fails the run, and closing the trainer
-    fails again on the same file; that second failure is one warning line, not a traceback."""
+    """metrics.jsonl on a full disk: its first line fails the run in one line; the failed line
+    was rolled back, so closing the trainer has nothing left to write and stays quiet (a close
+    that fails too is one warning: tests/test_full_disk_logs.py)."""
     data = make_chat_jsonl(tmp_path / "chat.jsonl", num=8)
     (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "metrics.jsonl").symlink_to("/dev/full")  # every flush: ENOSPC
+    (tmp_path / "run" / "metrics.jsonl").symlink_to("/dev/full")  # every write: ENOSPC
     with caplog.at_level(logging.WARNING, logger="dflash_trainer.training.trainer"):
         assert cli_main(train_args(target, tmp_path, data)) == 1
     errors = [line for line in capsys.readouterr().err.splitlines()
               if line.startswith("dflash-trainer train: ")]
     assert len(errors) == 1 and errors[0].startswith(
         "dflash-trainer train: disk error: cannot write"), errors
-    closing = [r for r in caplog.records if r.name == "dflash_trainer.training.trainer"]
-    assert [(r.levelno, r.exc_info) for r in closing] == [(logging.WARNING, None)], caplog.text
-    assert closing[0].getMessage().startswith(
-        "closing after the failure failed too: disk error: cannot write"), caplog.text
+    assert not [r for r in caplog.records if r.name == "dflash_trainer.training.trainer"], caplog.text
 
 
 # --- regenerate against a server that misbehaves on purpose -------------------------------------
