@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from helpers_e2e import make_chat_jsonl, make_tiny_target, train_recording
+from helpers_tmpfs import fill, mounted_tmpfs
 
 from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.core.appendlog import AppendLog
@@ -36,35 +37,9 @@ RECORD = {"step": 1, "train/loss": 2.5, "note": "x" * 3000}
 @pytest.fixture()
 def tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A fresh 32 MB tmpfs, unmounted after the test."""
-    folder = tmp_path / "tmpfs"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(folder)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}; "
-                    "test_a_file_size_limit_mid_line_is_rolled_back checks the rollback without root")
-    try:
+    with mounted_tmpfs(tmp_path / "tmpfs", size="32m",
+                       otherwise="test_a_file_size_limit_mid_line_is_rolled_back checks the rollback") as folder:
         yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
-
-
-def fill(folder: Path) -> Path:
-    """Fill the file system of ``folder`` to the last byte; the filler file is returned."""
-    filler = folder / "filler"
-    with open(filler, "wb", buffering=0) as out:
-        block = b"\0" * (1 << 20)
-        while True:
-            try:
-                written = out.write(block)
-            except OSError as exc:
-                assert exc.errno == errno.ENOSPC, exc
-                block = block[: len(block) // 2]
-                if not block:
-                    return filler
-                continue
-            if written < len(block):
-                block = block[: max(1, len(block) // 2)]
 
 
 def lines_of(path: Path) -> list[dict[str, Any]]:
