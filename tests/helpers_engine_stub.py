@@ -14,11 +14,12 @@ import json
 import os
 import threading
 import zlib
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import torch
+from helpers_e2e import JsonHandler
 from safetensors.torch import save_file
 
 FAULTS = ("outside", "symlink", "dotdot", "fifo", "float-ids", "int8-hidden", "no-token-ids", "nan", "inf",
@@ -111,18 +112,8 @@ class StubEngine(ThreadingHTTPServer):
                 "kv_transfer_params": {"hidden_states_path": str(path)}}
 
 
-class StubHandler(BaseHTTPRequestHandler):
+class StubHandler(JsonHandler):
     server: StubEngine
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def _send(self, body: bytes) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
     def do_GET(self) -> None:
         models: Any = {"data": [{"id": "target", "root": "", "max_model_len": 4096}]}

@@ -14,13 +14,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers_e2e import make_chat_jsonl, make_tiny_target, serving
+from helpers_e2e import JsonHandler, make_chat_jsonl, make_tiny_target, serving
 from transformers import AutoConfig
 
 from dflash_trainer.training.checkpoint import Checkpointer, SaveRequest, resolve_resume
@@ -995,18 +995,8 @@ class BadServer(ThreadingHTTPServer):
             return self.script.pop(0) if self.script else "ok"
 
 
-class BadHandler(BaseHTTPRequestHandler):
+class BadHandler(JsonHandler):
     server: BadServer
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def _send(self, body: bytes) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
     def do_GET(self) -> None:
         self._send(json.dumps({"data": [{"id": "m"}]}).encode())
