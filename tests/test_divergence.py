@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,3 +104,26 @@ def test_a_drafter_that_overflows_is_named_as_the_source(world: dict[str, Path],
     assert saved.is_dir() == ("last finite state" in source)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["train/diverged_from_step"] == first and math.isfinite(rows[0]["train/loss"])
+
+
+@pytest.mark.slow
+def test_two_ranks_diverge_together_with_one_line_a_checkpoint_and_exit_3(world: dict[str, Path], tmp_path: Path):
+    """Under torchrun every rank sees the same reduced gradient norm: they stop at the same step,
+    save the checkpoint together, rank 0 prints the line, and the project's launcher exits 3."""
+    from test_distributed import LAUNCH_TIMEOUT_S, overrides, run_with_deadline
+
+    root = world["nan_target"].parent
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dflash_trainer.cli.torchrun", "--standalone", "--nproc-per-node", "2",
+           "-m", "dflash_trainer", "train", *overrides(root, run_dir),
+           f"model.target={world['nan_target']}", f"data.paths=[{world['data']}]", "training.max_nonfinite_steps=3"]
+    log = tmp_path / "launch.log"
+    code = run_with_deadline(cmd, {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}, log,
+                             timeout_s=LAUNCH_TIMEOUT_S)
+    text = log.read_text(errors="replace")
+    assert code == 3, text[-4000:]
+    lines = [line for line in text.splitlines() if "dflash-trainer train:" in line]
+    assert len(lines) == 1 and "training diverged: 3 consecutive optimizer steps (steps 1-3)" in lines[0], lines
+    assert "source: the target's hidden states" in lines[0] and "Traceback" not in text, text[-4000:]
+    assert sorted(p.name for p in (run_dir / "checkpoints" / "step-3" / "train").glob("*.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]

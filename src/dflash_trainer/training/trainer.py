@@ -474,8 +474,9 @@ class Trainer:
     def _divergence_source(self, exc: NonFiniteError) -> tuple[str, bool]:
         """Where the non-finite values of a diverged run came from, and whether the drafter's
         weights are still finite (one pass over them; with several ranks, agreed by all)."""
-        with torch.no_grad():
-            finite = torch.stack([torch.isfinite(p).all() for p in self.drafter.parameters()]).all()
+        with torch.no_grad():  # this rank's shard of a sharded drafter: the ranks agree below
+            finite = torch.stack([torch.isfinite(p.to_local() if is_dtensor(p) else p).all()
+                                  for p in self.drafter.parameters()]).all()
         features_bad, weights_bad = exc.features_nonfinite, not bool(finite)
         if self.dist.enabled:
             features_bad, weights_bad = any_rank([features_bad, weights_bad], self.dist)
@@ -516,11 +517,13 @@ class Trainer:
             latest = self.checkpointer.last_saved_step if self.dist.is_main else None
             kept = ("no checkpoint of it was written" + (f"; the last checkpoint is step-{latest} in {self.ckpt_dir}"
                                                          if latest is not None else ""))
-        return DivergedError(
+        error = DivergedError(
             f"{step - exc.first_step + 1} consecutive optimizer steps (steps {exc.first_step}-{step}) had a "
             f"non-finite loss or gradient norm (training.max_nonfinite_steps="
             f"{self.cfg.training.max_nonfinite_steps}); source: {source}; {kept}. Fix the source, then "
             "continue with --resume auto")
+        error.reported_by_rank0 = not self.dist.is_main  # type: ignore[attr-defined]
+        return error
 
     def _train_loop(self, signals: GracefulStop, clock: RunClock, stop_after_steps: int | None,
                     on_batch: Callable[[Batch], None] | None) -> tuple[dict[str, float], float | None, str | None]:
