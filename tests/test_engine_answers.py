@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ from helpers_engine_stub import StubEngine
 
 from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.core import assets
+from dflash_trainer.core.errors import EngineError
+from dflash_trainer.features.engine_answers import exchange_file
 
 LAYERS = (0, 1)
 """The runs' tapped layers: vLLM's auxiliary layers 1 and 2."""
@@ -157,3 +160,26 @@ def test_an_engine_url_that_is_not_http_is_a_config_error_before_anything_loads(
         "dflash-trainer train: config error: engine.url='not a url' is not an http(s) URL; give the vLLM "
         "server's address, e.g. engine.url=http://127.0.0.1:8000 (or unset it to start a server)"], lines
     assert not (tmp_path / "run").exists()
+
+
+def test_the_exchange_boundary_by_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Paths an engine may name: inside the folder (also through a link to the folder itself, as
+    a shared mount may be reached); not in a subfolder, beside it, without the suffix, or not text."""
+    real = tmp_path / "real-exchange"
+    (real / "sub").mkdir(parents=True)
+    link = tmp_path / "exchange"
+    link.symlink_to(real, target_is_directory=True)
+    ok = exchange_file(str(link / "a.safetensors"), exchange=link, server="S")
+    assert ok.folder == real.resolve() and ok.name == "a.safetensors"
+    assert exchange_file(str(real / "b.safetensors"), exchange=link, server="S").name == "b.safetensors"
+    monkeypatch.chdir(tmp_path)
+    assert exchange_file("exchange/c.safetensors", exchange=link, server="S").name == "c.safetensors"
+    for named, why in [(str(real / "sub" / "d.safetensors"), "lies outside the exchange folder"),
+                       (str(tmp_path / "e.safetensors"), "lies outside the exchange folder"),
+                       (str(real / "f.txt"), "is not a .safetensors file"),
+                       (str(real / ".safetensors"), "is not a .safetensors file"),
+                       (str(real / "sub" / ".." / "g.safetensors"), "climbs out of its folder with '..'"),
+                       (str(real / "h\x00.safetensors"), "holds a NUL byte"),
+                       (7, "is not a path")]:
+        with pytest.raises(EngineError, match=re.escape(why)):
+            exchange_file(named, exchange=link, server="S")

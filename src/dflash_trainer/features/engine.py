@@ -5,7 +5,10 @@ request (``max_tokens=1``) caches the auxiliary hidden states of the requested l
 project's connector (:mod:`dflash_trainer.engines.vllm_hidden_states`) writes them to one
 safetensors file per request (``hidden_states`` ``[tokens, layers, hidden]``, ``token_ids``) in
 the exchange folder; the response names the file. The client reads each file once its writer
-released the lock, checks that it holds the tokens that were sent, and deletes it.
+released the lock and deletes it. Everything the server says is checked first
+(:mod:`~dflash_trainer.features.engine_answers`): the file must lie in the exchange folder, the
+JSON bodies hold what is used, and the tensors are of the request's tokens, of the dtypes and
+shape asked for, and finite.
 
 Layer numbering: vLLM's auxiliary layer ``j`` is transformers' ``hidden_states[j]``, the output
 of decoder layer ``j - 1``; the trainer's layer id ``L`` (the output of layer ``L``) is vLLM's
