@@ -96,7 +96,7 @@ ANSWER_CASES = [
     ("nan", "returned 1 non-finite hidden-state value(s) (NaN or inf, the first at token"),
     ("inf", "returned 1 non-finite hidden-state value(s) (NaN or inf, the first at token"),
     ("other-tokens", "with the hidden states of other tokens"),
-    ("wrong-shape", f"this run needs [{{n}}, 2, {HIDDEN}] (tokens, requested layers, hidden size)"),
+    ("wrong-shape", f"this run needs [tokens, 2, {HIDDEN}] ({{n}} tokens, the requested layers, the hidden size)"),
     ("damaged-file", "the engine's hidden-states file does not load"),
     ("no-path", "returned no hidden_states_path"),
     ("path-not-text", "named the hidden-states file [", ),
@@ -118,7 +118,7 @@ def test_a_wrong_answer_is_refused_in_one_line_before_training(
     line = lines[0]
     assert line.startswith("dflash-trainer train: engine error: ") and server.url in line, line
     if "{n}" in fragment:
-        fragment = fragment.format(n=line.split("this run needs [")[1].split(",")[0])
+        fragment = fragment.format(n=line.split("for the request of ")[1].split()[0])
     assert fragment in line, line
     if fault in ("float-ids", "int8-hidden", "nan", "inf", "other-tokens", "no-token-ids", "wrong-shape"):
         assert "the request of " in line, line  # the request is named

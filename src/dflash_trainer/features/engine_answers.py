@@ -220,8 +220,8 @@ def check_hidden_file(tensors: dict[str, torch.Tensor], *, ids: Sequence[int], l
                           f"for {request}; hidden states are floating point: the server runs another connector")
     if states.dim() != 3 or tuple(states.shape) != (len(ids), layers, hidden):
         raise EngineError(f"{where}: {engine} returns hidden states of shape {list(states.shape)} for "
-                          f"{request}, this run needs [{len(ids)}, {layers}, {hidden}] (tokens, requested "
-                          f"layers, hidden size); start it with the command of "
+                          f"{request}, this run needs [tokens, {layers}, {hidden}] ({len(ids)} tokens, the "
+                          f"requested layers, the hidden size); start it with the command of "
                           "`dflash-trainer features --print-engine-command`")
     finite = torch.isfinite(states)
     if not bool(finite.all()):
