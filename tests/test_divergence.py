@@ -14,6 +14,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,7 +24,9 @@ from safetensors.torch import load_file, save_file
 from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.config import load_config
 from dflash_trainer.core.errors import EXIT_DIVERGED, DivergedError
+from dflash_trainer.model.target import TargetOutputs
 from dflash_trainer.reporting.report import read_metrics, summarize
+from dflash_trainer.training.pipeline.drafter_step import features_nonfinite
 from dflash_trainer.training.trainer import Trainer
 
 
@@ -127,3 +130,18 @@ def test_two_ranks_diverge_together_with_one_line_a_checkpoint_and_exit_3(world:
     assert "source: the target's hidden states" in lines[0] and "Traceback" not in text, text[-4000:]
     assert sorted(p.name for p in (run_dir / "checkpoints" / "step-3" / "train").glob("*.distcp")) == [
         "__0_0.distcp", "__1_0.distcp"]
+
+
+def test_the_features_check_sees_a_nan_or_inf_at_a_token_and_ignores_padding():
+    features = torch.randn(2, 5, 8, dtype=torch.bfloat16)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    item = SimpleNamespace(batch=SimpleNamespace(attention_mask=mask),
+                           target=TargetOutputs(features=features, final_hidden=torch.zeros(2, 5, 4)))
+    assert not bool(features_nonfinite(item))  # type: ignore[arg-type]
+    features[0, 4, 3] = float("nan")  # padding: never reaches the loss
+    assert not bool(features_nonfinite(item))  # type: ignore[arg-type]
+    features[1, 2, 0], features[1, 2, 1] = float("inf"), float("-inf")  # they do not cancel
+    assert bool(features_nonfinite(item))  # type: ignore[arg-type]
+    features[1, 2, :2] = 0
+    item.target.final_hidden[1, 0, 0] = float("nan")
+    assert bool(features_nonfinite(item))  # type: ignore[arg-type]

@@ -45,7 +45,10 @@ def features_nonfinite(item: StepInput) -> torch.Tensor:
     bad = torch.zeros((), dtype=torch.bool, device=valid.device)
     for values in (item.target.features, item.target.final_hidden):
         if values is not None:
-            bad = bad | ((~torch.isfinite(values)).any(dim=-1) & valid).any()
+            # A token's sum is non-finite iff one of its values is (short of a float32 overflow,
+            # itself a divergence); a [B, S] temporary instead of a bool copy of the features.
+            sums = values.sum(dim=-1, dtype=torch.float32)
+            bad = bad | (~torch.isfinite(sums) & valid).any()
     return bad
 
 
