@@ -33,7 +33,8 @@ class StubEngine(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, *, exchange: Path, tokenizer: Any, layers: int, hidden: int,
-                 fault: str | None = None, fault_from: int = 0, victim: Path | None = None) -> None:
+                 fault: str | None = None, fault_from: int = 0, victim: Path | None = None,
+                 root: Path | None = None) -> None:
         assert fault is None or fault in FAULTS, fault
         super().__init__(("127.0.0.1", 0), StubHandler)
         self.exchange = exchange
@@ -44,6 +45,8 @@ class StubEngine(ThreadingHTTPServer):
         self.fault_from = fault_from
         self.victim = victim
         """A file outside the exchange folder that the ``outside``/``symlink``/``dotdot`` faults name."""
+        self.root = root
+        """The model folder ``/v1/models`` names (its ``config.json`` is compared with the target's)."""
         self.lock = threading.Lock()
         self.completions = 0
         exchange.mkdir(parents=True, exist_ok=True)
@@ -116,7 +119,8 @@ class StubHandler(JsonHandler):
     server: StubEngine
 
     def do_GET(self) -> None:
-        models: Any = {"data": [{"id": "target", "root": "", "max_model_len": 4096}]}
+        root = str(self.server.root) if self.server.root is not None else ""
+        models: Any = {"data": [{"id": "target", "root": root, "max_model_len": 4096}]}
         if self.server.fault == "models-empty":
             models = {"object": "list", "data": []}
         self._send(json.dumps(models).encode())

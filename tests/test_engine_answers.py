@@ -183,3 +183,23 @@ def test_the_exchange_boundary_by_path(tmp_path: Path, monkeypatch: pytest.Monke
                        (7, "is not a path")]:
         with pytest.raises(EngineError, match=re.escape(why)):
             exchange_file(named, exchange=link, server="S")
+
+
+def test_the_model_folder_the_engine_names_is_compared_only_when_it_reads_as_a_config(
+        world: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """``/v1/models`` names the engine's model folder: another hidden size there is refused; a
+    config.json that is not JSON is skipped with a warning (the tokenizer and the probe's hidden
+    states still check the engine), never a traceback."""
+    other = tmp_path / "other-model"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"hidden_size": 128, "num_hidden_layers": 3}))
+    exchange = tmp_path / "exchange"
+    with serving(stub(world, exchange, root=other), join_timeout=5) as server:
+        code, lines = run(capsys, train_args(world, tmp_path, server.url, exchange))
+    assert code == 1 and len(lines) == 1, lines
+    assert (f"engine error: the vLLM engine at {server.url} serves {other} with hidden_size=128, the target "
+            f"{world['target']} has hidden_size={HIDDEN}") in lines[0], lines
+    (other / "config.json").write_text("{not json")
+    with serving(stub(world, exchange, root=other), join_timeout=5) as server:
+        code, lines = run(capsys, train_args(world, tmp_path / "again", server.url, exchange, "training.max_steps=1"))
+    assert code == 0 and not lines, lines

@@ -59,6 +59,7 @@ CONNECTOR_MODULE = "dflash_hidden_states_connector"
 """The module name the connector has on the server's ``PYTHONPATH`` (a copy of
 ``engines/vllm_hidden_states.py``: the server's venv must not see the trainer's packages)."""
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 1234567890"
+MODEL_CONFIG_MAX_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -375,7 +376,8 @@ def _model_config(root: Path) -> dict[str, Any] | None:
     regular ``config.json`` holding a JSON object); else None, and the engine is checked by its
     tokenizer and its hidden states alone."""
     path = root / "config.json"
-    if not root.parts or not path.is_file():
+    # A model's config.json is a few kB: anything far larger is not one (a server names it).
+    if not root.parts or not path.is_file() or path.stat().st_size > MODEL_CONFIG_MAX_BYTES:
         return None
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
