@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,20 @@ def serving(server: socketserver.BaseServer, *, join_timeout: float) -> Iterator
         server.shutdown()
         server.server_close()
         thread.join(timeout=join_timeout)
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """A quiet request handler of the tests' local servers, answering JSON bodies."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _send(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
 
 def load_with_transformers_alone(folder: Path, inputs: dict[str, torch.Tensor],

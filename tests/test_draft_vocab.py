@@ -33,6 +33,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 H, V, BLOCK = 32, 96, 4
 
+REPO = Path(__file__).resolve().parents[1]
+
 
 def target_config(vocab: int = V) -> LlamaConfig:
     return LlamaConfig(hidden_size=H, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -89,6 +91,10 @@ def test_the_option_is_refused_where_it_cannot_apply() -> None:
     # The whole vocabulary is no pruning: no head of its own, no d2t.
     full = build_drafter(model_cfg(draft_vocab_size=V), target_config(), mask_token_id=V - 1)
     assert full.lm_head is None and full.d2t is None and "lm_head.weight" not in full.state_dict()
+    # docs/draft-vocab.md says the same: the vocabulary's size is the whole one, above it refused.
+    row = next(line for line in (REPO / "docs" / "draft-vocab.md").read_text().splitlines()
+               if line.startswith("| `model.draft_vocab_size` |"))
+    assert "the target's vocabulary size means the whole one, and a size above it is refused" in row, row
 
 
 # --- the objective -----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,11 +26,13 @@ from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.config import load_config
 from dflash_trainer.core.distributed import DistInfo
 from dflash_trainer.core.errors import DiskError
+from dflash_trainer.core.fsutil import byte_size
 from dflash_trainer.features.build import build_store
 from dflash_trainer.features.manifest import INDEX, Manifest, ShardRecord, shard_path
 from dflash_trainer.features.store import FeatureStore
 from helpers_e2e import make_chat_jsonl, make_tiny_target, run_losses as losses, tiny_run_overrides
 from helpers_e2e import train_recording as train
+from helpers_tmpfs import mounted_tmpfs
 
 pytestmark = pytest.mark.slow
 
@@ -150,7 +153,27 @@ def test_progress_line_and_disk_estimate(setup, tmp_path: Path, capsys):
     code = cli_main(["features", f"--out={tmp_path / 'store'}", *overrides(setup, tmp_path / "run")])
     out = capsys.readouterr().out
     assert code == 0
-    assert "bytes/token" in out and "GB free" in out and "ETA" in out and "tok/s" in out
+    assert "bytes/token" in out and "ETA" in out and "tok/s" in out
+    size = r"\d[\d.,]* [kMGT]?B"
+    assert re.search(fr"= {size} in \d+ shards; {size} left to write, {size} free in ", out), out
+
+
+def test_sizes_are_shown_in_the_unit_that_fits():
+    assert [byte_size(n) for n in (0, 512, 3_400, 1_234_567, 20.5e9, 4.1e12)] == [
+        "0 B", "512 B", "3.4 kB", "1.23 MB", "20.5 GB", "4.1 TB"]
+
+
+def test_a_small_store_on_a_small_disk_is_refused_in_units_that_show_it(setup, tmp_path: Path, capsys):
+    """A 64 kB tmpfs for a store of about half a megabyte: the refusal reads in kB, not
+    "needs 0.00 GB, has 0.00 GB free"."""
+    with mounted_tmpfs(tmp_path / "small", size="64k", otherwise="test_sizes_are_shown_in_the_unit_that_fits "
+                       "checks the units") as small:
+        code = cli_main(["features", f"--out={small / 'store'}", *overrides(setup, tmp_path / "run")])
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash-trainer")]
+    assert code == 1 and len(lines) == 1, lines
+    found = re.search(r"disk error: .*small/store: the feature store needs (\d+) kB more and the disk has "
+                      r"(\d+(?:\.\d+)?) kB free; ", lines[0])
+    assert found and int(found[1]) > float(found[2]) > 0, lines
 
 
 def refusal(capsys, args: list[str]) -> tuple[int, str]:
@@ -203,7 +226,7 @@ def test_too_little_disk_is_refused_before_the_build(setup, tmp_path: Path, monk
     real = shutil_module.disk_usage
     monkeypatch.setattr(shutil_module, "disk_usage",
                         lambda path: real(path)._replace(free=1000))
-    with pytest.raises(DiskError, match="needs .* GB more and the disk has"):
+    with pytest.raises(DiskError, match=r"needs \d[\d.,]* [kMGT]?B more and the disk has 1 kB free; "):
         build(setup, tmp_path / "store")
     assert not list((tmp_path / "store").glob("shard-*"))
 

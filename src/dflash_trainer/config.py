@@ -17,6 +17,7 @@ import os
 import textwrap
 import types
 import typing
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -626,6 +627,16 @@ def check_ranges(cfg: Config) -> None:
                 check_text(name, item)
 
 
+def is_http_url(url: str) -> bool:
+    """Whether ``url`` is an ``http://`` or ``https://`` address with a host (and a valid port)."""
+    try:
+        parts = urllib.parse.urlsplit(url.strip())
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
 def validate(cfg: Config) -> None:
     """Range checks of every option, then cross-field checks; raise ConfigError naming the field."""
     check_ranges(cfg)
@@ -644,6 +655,11 @@ def validate(cfg: Config) -> None:
          "unset eval.every_steps and run dflash-trainer eval on the exported drafter"),
         (cfg.engine.kind == "vllm" or cfg.engine.url is None,
          f"engine.url={cfg.engine.url!r} is set but engine.kind is {cfg.engine.kind}; set engine.kind=vllm"),
+        (cfg.engine.url is None or is_http_url(cfg.engine.url),
+         f"engine.url={cfg.engine.url!r} is not an http(s) URL; give the vLLM server's address, e.g. "
+         "engine.url=http://127.0.0.1:8000 (or unset it to start a server)"),
+        (len(cfg.data.paths) > 0, "data.paths is empty; give data files or folders (data.paths or --data), "
+         "or `sharegpt`"),
         (cfg.engine.kind == "transformers" or cfg.distributed.target == "replicate",
          "distributed.target=fsdp shards a target the trainer runs; with engine.kind=vllm the engine holds "
          "the target: use the engine's own parallelism (engine.extra_args) and distributed.target=replicate"),

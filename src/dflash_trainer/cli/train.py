@@ -38,8 +38,10 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
         raise
     try:
         trainer.train()
-    except BaseException:
+    except BaseException as exc:
         close_after_failure(trainer)
+        if getattr(exc, "reported_by_rank0", False):  # a divergence: every rank knows, rank 0 says
+            raise SystemExit(exc.exit_code) from None  # type: ignore[attr-defined]
         raise
     run_lock = trainer.run_lock
     try:

@@ -6,8 +6,9 @@ anything else is a bug and keeps its traceback. ``--debug`` or ``DFLASH_DEBUG=1`
 traceback for user errors too.
 
 Exit codes: 0 success or a graceful stop of ``train`` (SIGINT/SIGTERM while it trains, time
-limit), 1 data, target, checkpoint, disk, lock or runtime errors, 2 usage and config errors,
-130 / 143 a command interrupted by SIGINT / SIGTERM (:mod:`dflash_trainer.core.interrupts`).
+limit), 1 data, target, checkpoint, disk, lock, engine or runtime errors, 2 usage and config
+errors, 3 a ``train`` run that diverged (:class:`DivergedError`), 130 / 143 a command
+interrupted by SIGINT / SIGTERM (:mod:`dflash_trainer.core.interrupts`).
 Each class also derives from the built-in exception it used to be (``ValueError``,
 ``RuntimeError``, ``OSError``), so code that catches those keeps working.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 EXIT_OK = 0
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
+EXIT_DIVERGED = 3
 
 
 class UserError(Exception):
@@ -75,3 +77,12 @@ class LockError(UserError, RuntimeError):
     """A folder is being written by another process (one writer per folder)."""
 
     kind = "lock error"
+
+
+class DivergedError(UserError, RuntimeError):
+    """A training run whose loss or gradients stayed non-finite for
+    ``training.max_nonfinite_steps`` steps: a result of the run (its last finite state is
+    checkpointed), told apart from a crash by its exit code."""
+
+    exit_code = EXIT_DIVERGED
+    kind = "training diverged"

@@ -65,6 +65,16 @@ def _read_umask() -> int:
 _UMASK = _read_umask()
 
 
+def byte_size(count: float) -> str:
+    """``count`` bytes in the unit that shows it best: ``512 B``, ``3.4 kB``, ``1.2 MB``,
+    ``20.5 GB``, ``4.1 TB`` (decimal units, three significant digits)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(count) >= scale:
+            value = count / scale
+            return f"{value:.3g} {unit}" if value < 1000 else f"{value:,.0f} {unit}"
+    return f"{count:.0f} B"
+
+
 def fsync_path(path: Path) -> None:
     """fsync a file or folder by path."""
     fd = os.open(path, os.O_RDONLY)

@@ -37,7 +37,7 @@ from dflash_trainer.features.codec import encode
 from dflash_trainer.features.engine import EngineFeatures, EngineLayout, open_engine
 from dflash_trainer.features.manifest import (INDEX, MANIFEST, Manifest, ShardRecord, StoreError,
                                               record_path, shard_path)
-from dflash_trainer.core.fsutil import DISK_FIX, atomic_write_text, disk_oserror, fsync_path, sha256_file
+from dflash_trainer.core.fsutil import DISK_FIX, atomic_write_text, byte_size, disk_oserror, fsync_path, sha256_file
 from dflash_trainer.core.locks import FolderLock
 from dflash_trainer.data.prepare import load_training_data
 from dflash_trainer.model.drafter import tapped_layer_ids, text_config, tokenizer_signature
@@ -218,11 +218,11 @@ def _check_space(folder: Path, manifest: Manifest, todo_tokens: int, say: Callab
     need = todo_tokens * manifest.bytes_per_token
     free = shutil.disk_usage(folder).free
     say(f"features: {manifest.num_tokens:,} tokens x {manifest.bytes_per_token:,} bytes/token = "
-        f"{manifest.num_tokens * manifest.bytes_per_token / 1e9:.3f} GB in {manifest.num_shards} shards; "
-        f"{need / 1e9:.3f} GB left to write, {free / 1e9:.1f} GB free in {folder}")
+        f"{byte_size(manifest.num_tokens * manifest.bytes_per_token)} in {manifest.num_shards} shards; "
+        f"{byte_size(need)} left to write, {byte_size(free)} free in {folder}")
     if need * DISK_MARGIN > free:
-        raise DiskError(f"{folder}: the feature store needs {need / 1e9:.2f} GB more and the disk has "
-                        f"{free / 1e9:.2f} GB free; {DISK_FIX} (--out), or store float8 "
+        raise DiskError(f"{folder}: the feature store needs {byte_size(need)} more and the disk has "
+                        f"{byte_size(free)} free; {DISK_FIX} (--out), or store float8 "
                         "(features.dtype=float8_e4m3fn)")
 
 

@@ -5,7 +5,10 @@ request (``max_tokens=1``) caches the auxiliary hidden states of the requested l
 project's connector (:mod:`dflash_trainer.engines.vllm_hidden_states`) writes them to one
 safetensors file per request (``hidden_states`` ``[tokens, layers, hidden]``, ``token_ids``) in
 the exchange folder; the response names the file. The client reads each file once its writer
-released the lock, checks that it holds the tokens that were sent, and deletes it.
+released the lock and deletes it. Everything the server says is checked first
+(:mod:`~dflash_trainer.features.engine_answers`): the file must lie in the exchange folder, the
+JSON bodies hold what is used, and the tensors are of the request's tokens, of the dtypes and
+shape asked for, and finite.
 
 Layer numbering: vLLM's auxiliary layer ``j`` is transformers' ``hidden_states[j]``, the output
 of decoder layer ``j - 1``; the trainer's layer id ``L`` (the output of layer ``L``) is vLLM's
@@ -43,7 +46,10 @@ from torch import nn
 from dflash_trainer.config import EngineConfig
 from dflash_trainer.core.errors import EngineError
 from dflash_trainer.engines import vllm_server
+from dflash_trainer.features import engine_answers as answers
 from dflash_trainer.model.target import TargetOutputs, greedy_next_tokens
+
+log = logging.getLogger(__name__)
 
 __all__ = ["EngineFeatures", "EngineLayout", "EngineWindow", "VllmFeatureClient", "check_engine_model",
            "connector_files", "engine_command", "start_engine"]
@@ -53,6 +59,7 @@ CONNECTOR_MODULE = "dflash_hidden_states_connector"
 """The module name the connector has on the server's ``PYTHONPATH`` (a copy of
 ``engines/vllm_hidden_states.py``: the server's venv must not see the trainer's packages)."""
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 1234567890"
+MODEL_CONFIG_MAX_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -248,28 +255,12 @@ class VllmFeatureClient:
         try:
             body = self._post("/v1/completions", {"model": self.model_name, "prompt": ids, "max_tokens": 1,
                                                   "temperature": 0.0})
-            path = (body.get("kv_transfer_params") or {}).get("hidden_states_path")
-            if not path:
-                raise EngineError(f"the vLLM engine at {self.url} returned no hidden_states_path: it does not "
-                                  "run the hidden-states connector (start it with the command of "
-                                  "`dflash-trainer features --print-engine-command`)")
-            tensors = self._read(Path(path))
+            named = answers.completion_file(body, server=self.url)
+            file = answers.exchange_file(named, exchange=self.exchange, server=self.url)
+            hidden = self._read(file, ids)
         finally:
             with self._lock:
                 self._inflight -= 1
-        got = tensors["token_ids"].tolist()
-        if got != ids:
-            raise EngineError(f"{path}: the engine's hidden states are of other tokens than the request's "
-                              f"({len(got)} vs {len(ids)} tokens); another client shares the exchange folder "
-                              f"{self.exchange}?")
-        hidden = tensors["hidden_states"]
-        expected = (len(self.layout.aux_ids), self.layout.hidden_size)
-        if hidden.dim() != 3 or tuple(hidden.shape[1:]) != expected:
-            raise EngineError(
-                f"the vLLM engine returns hidden states of shape {list(hidden.shape)}, this run needs "
-                f"[tokens, {len(self.layout.aux_ids)}, {self.layout.hidden_size}] (vLLM layers "
-                f"{self.layout.aux_ids}, hidden size {self.layout.hidden_size}); start it with the command of "
-                "`dflash-trainer features --print-engine-command`")
         with self._lock:
             self._requests += 1
             self.total_requests += 1
@@ -277,40 +268,55 @@ class VllmFeatureClient:
             self._request_s += time.perf_counter() - start
         return hidden
 
-    def _read(self, path: Path) -> dict[str, torch.Tensor]:
-        """The file at ``path`` once its writer released the lock; the file and lock deleted."""
+    def _read(self, file: answers.ExchangeFile, ids: list[int]) -> torch.Tensor:
+        """The hidden states of ``file`` once its writer released the lock, checked against the
+        request ``ids``; the file and its lock are deleted once opened (never a link or a file
+        outside the exchange folder)."""
         from safetensors import SafetensorError
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
-        lock = Path(f"{path}.lock")
-        deadline = time.monotonic() + self.cfg.request_timeout_s
+        layers, hidden = len(self.layout.aux_ids), self.layout.hidden_size
+        opened = False
         try:
-            if lock.exists():
-                with open(lock) as handle:
-                    while True:
-                        try:
-                            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                            break
-                        except BlockingIOError:
-                            died = self._died()
-                            if died is not None:
-                                raise died from None
-                            if time.monotonic() > deadline:
-                                raise EngineError(
-                                    f"the vLLM engine did not finish writing {path} within "
-                                    f"{self.cfg.request_timeout_s:.0f} s (engine.request_timeout_s); "
-                                    f"{self._where()}") from None
-                            time.sleep(0.002)
-            if not path.is_file():
-                raise EngineError(f"the vLLM engine wrote no file {path}: engine.exchange_dir must be the "
-                                  "folder the server writes to, at the same path on both sides")
-            return load_file(str(path))
-        except SafetensorError as exc:
-            raise EngineError(f"{path}: the engine's hidden-states file does not load ({exc}); "
-                              f"{self._where()}") from exc
+            with answers.open_in_exchange(file, file.lock_name, server=self.url) as lock:
+                if lock is not None:
+                    self._wait_for_writer(lock, file.path)
+            with answers.open_in_exchange(file, file.name, server=self.url) as fd:
+                if fd is None:
+                    raise EngineError(f"the vLLM engine wrote no file {file.path}: engine.exchange_dir must be "
+                                      "the folder the server writes to, at the same path on both sides")
+                opened = True
+                data = answers.read_bytes(fd, limit=answers.max_file_bytes(len(ids), layers=layers,
+                                                                            hidden=hidden),
+                                          where=f"{file.path} (from the vLLM engine at {self.url})")
+            try:
+                tensors = load(data)
+            except SafetensorError as exc:
+                raise EngineError(f"{file.path}: the engine's hidden-states file does not load ({exc}); "
+                                  f"{self._where()}") from exc
+            return answers.check_hidden_file(tensors, ids=ids, layers=layers, hidden=hidden,
+                                             where=str(file.path), server=self.url)
         finally:
-            path.unlink(missing_ok=True)
-            lock.unlink(missing_ok=True)
+            if opened:
+                answers.remove_from_exchange(file)
+
+    def _wait_for_writer(self, lock: int, path: Path) -> None:
+        """Wait until the engine's writer released ``lock`` (at most engine.request_timeout_s)."""
+        deadline = time.monotonic() + self.cfg.request_timeout_s
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                died = self._died()
+                if died is not None:
+                    raise died from None
+                if time.monotonic() > deadline:
+                    raise EngineError(
+                        f"the vLLM engine did not finish writing {path} within "
+                        f"{self.cfg.request_timeout_s:.0f} s (engine.request_timeout_s); "
+                        f"{self._where()}") from None
+                time.sleep(0.002)
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -319,14 +325,16 @@ class VllmFeatureClient:
         try:
             response = self._http.get(self.url + "/v1/models")
             response.raise_for_status()
-            return response.json()["data"][0]
-        except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
+            body = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
             raise self._died() or EngineError(f"the vLLM engine at {self.url} does not list its model "
                                               f"(/v1/models: {exc}); {self._where()}") from exc
+        return answers.listed_model(body, server=self.url)
 
     def tokenize(self, text: str) -> list[int]:
         """The engine's token ids of ``text``."""
-        return [int(t) for t in self._post("/tokenize", {"model": self.model_name, "prompt": text})["tokens"]]
+        return answers.token_list(self._post("/tokenize", {"model": self.model_name, "prompt": text}),
+                                  server=self.url)
 
     # -- metrics and shutdown -----------------------------------------------------------------
 
@@ -363,6 +371,26 @@ class VllmFeatureClient:
             self.server.stop()
 
 
+def _model_config(root: Path) -> dict[str, Any] | None:
+    """The text config of the model folder the engine names, when it is readable here (a
+    regular ``config.json`` holding a JSON object); else None, and the engine is checked by its
+    tokenizer and its hidden states alone."""
+    path = root / "config.json"
+    # A model's config.json is a few kB: anything far larger is not one (a server names it).
+    if not root.parts or not path.is_file() or path.stat().st_size > MODEL_CONFIG_MAX_BYTES:
+        return None
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        log.warning("engine: %s does not read as JSON (%s); the engine's model is checked by its tokenizer "
+                    "and hidden states only", path, exc)
+        return None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config", config)
+    return text if isinstance(text, dict) else None
+
+
 def check_engine_model(client: VllmFeatureClient, *, target_folder: Path, target_config: Any,
                        tokenizer: Any) -> None:
     """Refuse an engine that serves another model than ``target_folder`` (its config's
@@ -371,12 +399,11 @@ def check_engine_model(client: VllmFeatureClient, *, target_folder: Path, target
     listed = client.models()
     client.model_name = str(listed.get("id") or client.model_name)
     root = Path(str(listed.get("root") or ""))
-    if (root / "config.json").is_file():
-        engine_config = json.loads((root / "config.json").read_text())
-        engine_config = engine_config.get("text_config", engine_config)
+    engine_config = _model_config(root)
+    if engine_config is not None:
         for key in ("vocab_size", "hidden_size", "num_hidden_layers"):
             ours, theirs = getattr(target_config, key, None), engine_config.get(key)
-            if theirs is not None and ours is not None and int(ours) != int(theirs):
+            if isinstance(theirs, int) and ours is not None and int(ours) != theirs:
                 raise EngineError(f"the vLLM engine at {client.url} serves {root} with {key}={theirs}, the "
                                   f"target {target_folder} has {key}={ours}: start the engine on the target "
                                   "(model.target) or point engine.url at one that serves it")

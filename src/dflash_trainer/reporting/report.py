@@ -564,6 +564,11 @@ def summarize(log: MetricsLog, evals: list[EvalResult],
                    if log.last(name) is not None]
     if log.last("train/label_in_vocab") is not None:
         rows.insert(at, ("labels in the draft vocabulary (last window)", _fmt(log.last("train/label_in_vocab"))))
+    diverged = log.series("train/diverged_from_step")
+    if diverged[0]:
+        at, first = diverged[0][-1], diverged[1][-1]
+        rows.append(("diverged", f"non-finite loss or gradient norm from step {first:.0f} to step {at}, where "
+                                 "the run stopped (the console's last line names the source)"))
     if log.rewinds:
         rows.append(("resumes that re-ran logged steps", str(log.rewinds)))
     if log.bad_lines:

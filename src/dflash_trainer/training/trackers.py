@@ -14,7 +14,6 @@ neither.
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import sys
 import time
@@ -25,6 +24,7 @@ from typing import IO, Any
 import yaml
 
 from dflash_trainer.config import LoggingConfig
+from dflash_trainer.core.appendlog import AppendLog
 
 MetricValue = float | Sequence[float]
 
@@ -71,29 +71,26 @@ def _is_counts(key: str, value: Any) -> bool:
 class JsonlTracker(Tracker):
     """``metrics.jsonl``: one ``{"step", "time", **metrics}`` object per line.
 
-    Opened in append mode so a resumed run continues the same file; the report reader resolves
-    steps that a resume re-runs. Each line is flushed as written, so the file is readable while
-    training runs and survives a crash up to the last log. Non-finite floats are written as
+    Appended to, so a resumed run continues the same file; the report reader resolves steps
+    that a resume re-runs. Each line is written as it is logged, so the file is readable while
+    training runs and survives a crash up to the last log, and it is never torn: a write that
+    fails (a full disk) is rolled back, and a line cut by a kill is repaired on resume
+    (:class:`~dflash_trainer.core.appendlog.AppendLog`). Non-finite floats are written as
     ``NaN``/``Infinity`` (Python's JSON reading accepts them).
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] | None = self.path.open("a", encoding="utf-8")
+        self._log = AppendLog(self.path)
 
     def log(self, metrics: Mapping[str, MetricValue], step: int) -> None:
-        assert self._file is not None, "log() after close()"
         record: dict[str, Any] = {"step": int(step), "time": time.time()}
         for key, value in metrics.items():
             record[key] = [float(v) for v in value] if _is_sequence(value) else float(value)
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._log.append(record)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self._log.close()
 
 
 class TensorBoardTracker(Tracker):

@@ -31,7 +31,7 @@ from dflash_trainer.core.distributed import (
     DistInfo, check_distributed_options, checkpoint_group,
     full_model_state, init_distributed, is_dtensor, is_sharded,
     target_stop_agreement)
-from dflash_trainer.core.errors import ConfigError, EngineError, UserError
+from dflash_trainer.core.errors import ConfigError, DivergedError, EngineError, UserError
 from dflash_trainer.core.fsutil import disk_error
 from dflash_trainer.core.locks import FolderLock, run_folder_lock
 from dflash_trainer.model.batch import Batch
@@ -40,7 +40,7 @@ from dflash_trainer.training.export import export_drafter
 from dflash_trainer.training.final_eval import (
     EvaluatorFactory, evaluate_final, final_eval_obstacle, holds_part_of_target, load_whole_target)
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
-from dflash_trainer.training.pipeline.drafter_step import DrafterStep
+from dflash_trainer.training.pipeline.drafter_step import DrafterStep, NonFiniteError
 from dflash_trainer.training.pipeline.pipeline import PipelineSettings, TrainingPipeline, plan_metrics
 from dflash_trainer.training.pipeline.stage import GracefulStop
 from dflash_trainer.training.resume import Resume, check_run_folder, data_identity, decide
@@ -456,6 +456,8 @@ class Trainer:
                 last, tau, stopped_by = self._train_loop(signals, clock, stop_after_steps, on_batch)
         except EngineError as exc:
             raise self._save_after_engine_failure(exc) from exc
+        except NonFiniteError as exc:
+            raise self._save_after_divergence(exc) from exc
         self.stopped_by = stopped_by or "completed"
         self._finish(self.stopped_by, time.monotonic() - clock.start)
         return last
@@ -474,6 +476,60 @@ class Trainer:
         return EngineError(f"{exc}; training stopped with a checkpoint at step {step} in {self.ckpt_dir}: "
                            "restart the engine and continue with --resume auto")
 
+    def _divergence_source(self, exc: NonFiniteError) -> tuple[str, bool]:
+        """Where the non-finite values of a diverged run came from, and whether the drafter's
+        weights are still finite (one pass over them; with several ranks, agreed by all)."""
+        with torch.no_grad():  # this rank's shard of a sharded drafter: the ranks agree below
+            finite = torch.stack([torch.isfinite(p.to_local() if is_dtensor(p) else p).all()
+                                  for p in self.drafter.parameters()]).all()
+        features_bad, weights_bad = exc.features_nonfinite, not bool(finite)
+        if self.dist.enabled:
+            features_bad, weights_bad = any_rank([features_bad, weights_bad], self.dist)
+        if features_bad:
+            if self.parts.engine is not None:
+                source = f"the vLLM engine's hidden states ({self.parts.engine.client.url})"
+            elif self.parts.store is not None:
+                source = f"the feature store's features (features.store={self.cfg.features.store})"
+            else:
+                source = (f"the target's hidden states (model.target={self.cfg.model.target}: its weights "
+                          f"or model.dtype={self.cfg.model.dtype})")
+        elif weights_bad:
+            source = "the drafter's weights (an optimizer step made them non-finite: lower training.lr)"
+        else:
+            source = ("the drafter's loss or gradients, from finite features (lower training.lr or "
+                      "training.grad_clip, or set model.dtype=float32)")
+        return source, not weights_bad
+
+    def _save_after_divergence(self, exc: NonFiniteError) -> DivergedError:
+        """The end of a run that diverged: the window up to it logged with where it diverged
+        (``train/diverged_from_step``), a checkpoint of the last finite state (the non-finite
+        steps changed no weight or moment), and the one line that says all that. Every rank
+        gets here at the same step (the check reads the reduced gradient norm)."""
+        step = self.drafter_step.optimizer_step
+        source, weights_finite = self._divergence_source(exc)
+        self.pipeline.monitor.final(step)
+        self.trackers.log({"train/diverged_from_step": float(exc.first_step),
+                           "train/diverged_steps": float(step - exc.first_step + 1)}, step)
+        at_boundary = self.drafter_step.micro_step % self.cfg.training.grad_accum == 0
+        if weights_finite and at_boundary:
+            if self._snapshot_step != step:
+                self.save_checkpoint()
+            self.checkpointer.wait()
+            kept = (f"the drafter's last finite state (before step {exc.first_step}; the non-finite steps "
+                    f"were skipped) is saved in {self.ckpt_dir / f'step-{step}'}")
+        else:
+            self.checkpointer.wait()
+            latest = self.checkpointer.last_saved_step if self.dist.is_main else None
+            kept = ("no checkpoint of it was written" + (f"; the last checkpoint is step-{latest} in {self.ckpt_dir}"
+                                                         if latest is not None else ""))
+        error = DivergedError(
+            f"{step - exc.first_step + 1} consecutive optimizer steps (steps {exc.first_step}-{step}) had a "
+            f"non-finite loss or gradient norm (training.max_nonfinite_steps="
+            f"{self.cfg.training.max_nonfinite_steps}); source: {source}; {kept}. Fix the source, then "
+            "continue with --resume auto")
+        error.reported_by_rank0 = not self.dist.is_main  # type: ignore[attr-defined]
+        return error
+
     def _train_loop(self, signals: GracefulStop, clock: RunClock, stop_after_steps: int | None,
                     on_batch: Callable[[Batch], None] | None) -> tuple[dict[str, float], float | None, str | None]:
         """The step loop of :meth:`train` inside the running pipeline: (last metrics, last eval
@@ -485,7 +541,11 @@ class Trainer:
         logged_epoch: int | None = None
         for item in self.pipeline.step_inputs(
                 until=lambda: drafter_step.optimizer_step >= self.total_steps):
-            stepped = drafter_step.train_micro_batch(item)
+            try:
+                stepped = drafter_step.train_micro_batch(item)
+            except NonFiniteError:
+                self.pipeline.acknowledge(item.batch)  # its (skipped) step was taken
+                raise
             self.pipeline.acknowledge(item.batch)  # a checkpoint from here resumes after it
             if item.batch.epoch != logged_epoch:
                 logged_epoch = item.batch.epoch

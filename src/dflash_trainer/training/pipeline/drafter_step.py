@@ -23,7 +23,33 @@ from dflash_trainer.training.pipeline.metrics import Max, MeanSpread, Metric, Ra
 
 
 class NonFiniteError(RuntimeError):
-    """Too many consecutive steps had a non-finite loss or gradient norm."""
+    """Too many consecutive steps had a non-finite loss or gradient norm.
+
+    The trainer turns it into the run's result (a checkpoint and one line naming the source,
+    :class:`~dflash_trainer.core.errors.DivergedError`); this carries what it needs for that.
+    """
+
+    def __init__(self, message: str, *, first_step: int, last_step: int, features_nonfinite: bool) -> None:
+        super().__init__(message)
+        self.first_step = first_step
+        """The first optimizer step of the non-finite run (1-based, as logged)."""
+        self.last_step = last_step
+        self.features_nonfinite = features_nonfinite
+        """Whether the target's features held a NaN or inf at a real token during the run (this rank)."""
+
+
+def features_nonfinite(item: StepInput) -> torch.Tensor:
+    """Whether the target's outputs of ``item`` hold a NaN or inf at a token of the batch (a
+    device bool; padding is left out: it never reaches the loss)."""
+    valid = item.batch.attention_mask.bool()
+    bad = torch.zeros((), dtype=torch.bool, device=valid.device)
+    for values in (item.target.features, item.target.final_hidden):
+        if values is not None:
+            # A token's sum is non-finite iff one of its values is (short of a float32 overflow,
+            # itself a divergence); a [B, S] temporary instead of a bool copy of the features.
+            sums = values.sum(dim=-1, dtype=torch.float32)
+            bad = bad | (~torch.isfinite(sums) & valid).any()
+    return bad
 
 
 class DrafterStep:
@@ -73,6 +99,10 @@ class DrafterStep:
         # (weighted loss sum, weight sum) since the last checkpoint, for "best" checkpoints.
         self._since_checkpoint = zeros(2)
         self._consecutive_bad = torch.zeros((), device=self.device, dtype=torch.int64)
+        # Whether the features of this step's micro-batches, and of the current run of
+        # non-finite steps, were non-finite: names the source when the run diverges.
+        self._step_bad_features = torch.zeros((), device=self.device, dtype=torch.bool)
+        self._run_bad_features = torch.zeros((), device=self.device, dtype=torch.bool)
         self._window_steps = 0
         self._window_start = time.perf_counter()
         self._step_time = 0.0
@@ -96,6 +126,8 @@ class DrafterStep:
             for tensor in item.tensors():
                 tensor.record_stream(stream)
         batch = item.batch
+        with torch.no_grad():
+            self._step_bad_features |= features_nonfinite(item)
         # Gradients are reduced across ranks only on the micro-batch that ends a step.
         last_micro = (self.micro_step + 1) % self.cfg.grad_accum == 0
         with gradient_sync(self.objective, last_micro):
@@ -161,6 +193,8 @@ class DrafterStep:
                 self._step_sums["grad_norm_max"], torch.where(good, grad_norm, 0).double()))
             self._step_sums["skipped"] += bad.double()
             self._consecutive_bad.copy_((self._consecutive_bad + 1) * bad.long())
+            self._run_bad_features.copy_(bad & (self._run_bad_features | self._step_bad_features))
+            self._step_bad_features.zero_()
         self.optimizer_step += 1
         self._window_steps += 1
         if self.optimizer_step % self._check_every == 0:
@@ -170,10 +204,13 @@ class DrafterStep:
         """Host sync: stop the run after ``max_nonfinite_steps`` bad steps in a row."""
         bad_run = int(self._consecutive_bad)
         if bad_run >= self.cfg.max_nonfinite_steps:
+            first = self.optimizer_step - bad_run + 1
             raise NonFiniteError(
                 f"{bad_run} consecutive optimizer steps had a non-finite loss or gradient norm "
-                f"(last at step {self.optimizer_step}); lower training.lr, check the data, or "
-                f"raise training.max_nonfinite_steps")
+                f"(steps {first}-{self.optimizer_step}); lower training.lr, check the data, or "
+                f"raise training.max_nonfinite_steps",
+                first_step=first, last_step=self.optimizer_step,
+                features_nonfinite=bool(self._run_bad_features))
 
     def loss_since_checkpoint(self) -> float | None:
         """Mean train loss (all ranks) since the previous call; None if nothing was trained.
