@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from dflash_trainer.core.distributed import DistInfo
 
 from dflash_trainer.core.assets import cache_root, load_tokenizer, resolve_target
-from dflash_trainer.config import Config, config_to_dict, save_config
+from dflash_trainer.config import Config, FieldsConfig, config_to_dict, save_config
 from dflash_trainer.data.cache import (
     FORMAT_VERSION,
     TokenStore,
@@ -89,6 +89,8 @@ class PrepareStats:
     """Records read for training (after the held-out ones, up to ``max_samples``)."""
     heldout: int = 0
     kept: int = 0
+    samples: int = 0
+    """Samples written to the store: one per kept record, or one per assistant turn of it."""
     dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
     examples: dict[str, list[str]] = field(default_factory=dict)
     """The first few messages of each drop reason, with file and line."""
@@ -96,6 +98,9 @@ class PrepareStats:
     """Kept samples cut to ``data.max_length``."""
     trimmed_leading: int = 0
     """Conversations whose assistant messages before the first user message were removed."""
+    dropped_fields: dict[str, int] = field(default_factory=dict)
+    """Fields of the records read that no chat template renders, left out, by name (summed over
+    the files; held-out records included)."""
     cut_answers: int = 0
     """Kept answers marked ``truncated`` (cut before the model ended its turn)."""
     empty_answers: int = 0
@@ -118,7 +123,8 @@ class PrepareStats:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PrepareStats:
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        # Stores built before per-turn samples hold one sample per kept record.
+        return cls(**{"samples": data.get("kept", 0), **{k: v for k, v in data.items() if k in names}})
 
     def drop(self, reason: str, message: str) -> None:
         self.dropped[reason] += 1
@@ -131,9 +137,16 @@ class PrepareStats:
         reasons = ", ".join(f"{_DROP_LABELS[r]} {n:,}" for r, n in self.dropped.items() if n)
         dropped = sum(self.dropped.values())
         return (f"{self.records_read:,} records read (+{self.heldout:,} held out), "
-                f"{self.kept:,} kept, {dropped:,} dropped" + (f" ({reasons})" if reasons else "")
+                f"{self.kept:,} kept" + (f" ({self.samples:,} samples)" if self.samples != self.kept else "")
+                + f", {dropped:,} dropped" + (f" ({reasons})" if reasons else "")
                 + f", {self.truncated:,} truncated to data.max_length"
-                + (f", {self.empty_answers:,} empty answers unsupervised" if self.empty_answers else ""))
+                + (f", {self.empty_answers:,} empty answers unsupervised" if self.empty_answers else "")
+                + (f", fields dropped: {format_counts(self.dropped_fields)}" if self.dropped_fields else ""))
+
+
+def format_counts(counts: dict[str, int]) -> str:
+    """``name N, name M`` by count, largest first (dropped field names and their counts)."""
+    return ", ".join(f"{name} {n:,}" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def cache_dir(cfg: Config) -> Path:
@@ -169,6 +182,8 @@ def build_dataset(cfg: Config, *, tokenizer: Any = None,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "options": dataclasses.asdict(options),
         "format": cfg.data.format,
+        # Only a set field map is part of the key, so stores built before it existed stay valid.
+        **({"fields": dataclasses.asdict(cfg.data.fields)} if cfg.data.fields != FieldsConfig() else {}),
         "on_error": [on_error_policy(cfg.data.on_error, s) for s in sources],
         "heldout_samples": cfg.data.heldout_samples,
         "max_samples": cfg.data.max_samples,
@@ -250,7 +265,7 @@ def _split(cfg: Config, sources: list[Source], source_stats: list[SourceStats]
         stats = SourceStats(path=str(source.path))
         source_stats.append(stats)
         policy = on_error_policy(cfg.data.on_error, source)
-        for record in read_source(source, format=cfg.data.format, stats=stats):
+        for record in read_source(source, format=cfg.data.format, fields=cfg.data.fields, stats=stats):
             record = apply_on_error(record, policy)
             held = heldout_left > 0 and source.origin == sources[0].origin
             if held:
@@ -272,23 +287,29 @@ def _tokenize_into(writer: TokenStoreWriter, cfg: Config, sources: list[Source],
 
     def flush() -> None:
         for (_record, source), result in zip(batch, chat.encode_batch([r for r, _ in batch])):
-            if isinstance(result, Dropped):
-                if (result.reason == "malformed"
-                        and on_error_policy(cfg.data.on_error, source) == "raise"):
-                    raise DataError(f"{result.message} (with data.on_error=skip such records "
-                                    "are skipped and counted instead)")
-                drop(result.reason, result.message)
+            # A record gives one sample, or a list of them (one per assistant turn).
+            results = result if isinstance(result, list) else [result]
+            for item in results:
+                if isinstance(item, Dropped):
+                    if (item.reason == "malformed"
+                            and on_error_policy(cfg.data.on_error, source) == "raise"):
+                        raise DataError(f"{item.message} (with data.on_error=skip such records "
+                                        "are skipped and counted instead)")
+                    drop(item.reason, item.message)
+            encoded = [item for item in results if isinstance(item, Encoded)]
+            if not encoded:
                 continue
-            assert isinstance(result, Encoded)
-            writer.add(result.input_ids, result.loss_mask)
             kept_per_file[str(source.path)] = kept_per_file.get(str(source.path), 0) + 1
             stats.kept += 1
-            stats.total_tokens += len(result.input_ids)
-            stats.supervised_tokens += int(result.loss_mask.sum())
-            stats.truncated += int(result.truncated)
-            stats.trimmed_leading += int(result.trimmed_leading > 0)
-            stats.cut_answers += result.cut_answers
-            stats.empty_answers += result.empty_answers
+            stats.trimmed_leading += int(any(item.trimmed_leading > 0 for item in encoded))
+            for item in encoded:
+                writer.add(item.input_ids, item.loss_mask)
+                stats.samples += 1
+                stats.total_tokens += len(item.input_ids)
+                stats.supervised_tokens += int(item.loss_mask.sum())
+                stats.truncated += int(item.truncated)
+                stats.cut_answers += item.cut_answers
+                stats.empty_answers += item.empty_answers
         batch.clear()
 
     limit = cfg.data.max_samples
@@ -321,6 +342,9 @@ def _tokenize_into(writer: TokenStoreWriter, cfg: Config, sources: list[Source],
         flush()
     finally:
         stats.sources = [dataclasses.asdict(s) for s in source_stats]
+        for source in source_stats:
+            for name, count in source.dropped_fields.items():
+                stats.dropped_fields[name] = stats.dropped_fields.get(name, 0) + count
     _check_heldout_share(cfg, sources, source_stats, stats)
     _check_nothing_lost(read_per_file, kept_per_file, stats)
 
@@ -394,13 +418,16 @@ def format_report(stats: PrepareStats, store: TokenStore, max_length: int) -> st
             line += "; reading stopped at an invalid JSON element (rest unreadable)"
         if source["stopped_early"]:
             line += " (stopped at data.max_samples)"
+        if source.get("dropped_fields"):
+            line += f"; fields dropped: {format_counts(source['dropped_fields'])}"
         lines.append(line)
     lines = ["sources:"] + lines
     dropped = sum(stats.dropped.values())
     lines += [
         f"records read         {stats.records_read:>10,}"
         + (f"   (+{stats.heldout} held out for evaluation)" if stats.heldout else ""),
-        f"kept                 {stats.kept:>10,}",
+        f"kept                 {stats.kept:>10,}"
+        + (f"   ({stats.samples:,} samples)" if stats.samples != stats.kept else ""),
         f"dropped              {dropped:>10,}",
     ]
     for reason in DROP_REASONS:
@@ -412,6 +439,8 @@ def format_report(stats: PrepareStats, store: TokenStore, max_length: int) -> st
           if stats.cut_answers else []),
         *([f"empty answers unsupervised {stats.empty_answers:>5,}   (in kept conversations with other answers)"]
           if stats.empty_answers else []),
+        *([f"fields dropped       {sum(stats.dropped_fields.values()):>10,}   (no chat template renders them: "
+           f"{format_counts(stats.dropped_fields)})"] if stats.dropped_fields else []),
         f"tokens               {stats.total_tokens:>10,}",
         f"supervised tokens    {stats.supervised_tokens:>10,}"
         + (f"   ({100 * stats.supervised_tokens / stats.total_tokens:.1f}%)"
