@@ -89,8 +89,6 @@ class PrepareStats:
     """Records read for training (after the held-out ones, up to ``max_samples``)."""
     heldout: int = 0
     kept: int = 0
-    samples: int = 0
-    """Samples written to the store: one per kept record, or one per assistant turn of it."""
     dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
     examples: dict[str, list[str]] = field(default_factory=dict)
     """The first few messages of each drop reason, with file and line."""
@@ -123,8 +121,7 @@ class PrepareStats:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PrepareStats:
         names = {f.name for f in dataclasses.fields(cls)}
-        # Stores built before per-turn samples hold one sample per kept record.
-        return cls(**{"samples": data.get("kept", 0), **{k: v for k, v in data.items() if k in names}})
+        return cls(**{k: v for k, v in data.items() if k in names})
 
     def drop(self, reason: str, message: str) -> None:
         self.dropped[reason] += 1
@@ -137,8 +134,7 @@ class PrepareStats:
         reasons = ", ".join(f"{_DROP_LABELS[r]} {n:,}" for r, n in self.dropped.items() if n)
         dropped = sum(self.dropped.values())
         return (f"{self.records_read:,} records read (+{self.heldout:,} held out), "
-                f"{self.kept:,} kept" + (f" ({self.samples:,} samples)" if self.samples != self.kept else "")
-                + f", {dropped:,} dropped" + (f" ({reasons})" if reasons else "")
+                f"{self.kept:,} kept, {dropped:,} dropped" + (f" ({reasons})" if reasons else "")
                 + f", {self.truncated:,} truncated to data.max_length"
                 + (f", {self.empty_answers:,} empty answers unsupervised" if self.empty_answers else "")
                 + (f", fields dropped: {format_counts(self.dropped_fields)}" if self.dropped_fields else ""))
@@ -287,29 +283,23 @@ def _tokenize_into(writer: TokenStoreWriter, cfg: Config, sources: list[Source],
 
     def flush() -> None:
         for (_record, source), result in zip(batch, chat.encode_batch([r for r, _ in batch])):
-            # A record gives one sample, or a list of them (one per assistant turn).
-            results = result if isinstance(result, list) else [result]
-            for item in results:
-                if isinstance(item, Dropped):
-                    if (item.reason == "malformed"
-                            and on_error_policy(cfg.data.on_error, source) == "raise"):
-                        raise DataError(f"{item.message} (with data.on_error=skip such records "
-                                        "are skipped and counted instead)")
-                    drop(item.reason, item.message)
-            encoded = [item for item in results if isinstance(item, Encoded)]
-            if not encoded:
+            if isinstance(result, Dropped):
+                if (result.reason == "malformed"
+                        and on_error_policy(cfg.data.on_error, source) == "raise"):
+                    raise DataError(f"{result.message} (with data.on_error=skip such records "
+                                    "are skipped and counted instead)")
+                drop(result.reason, result.message)
                 continue
+            assert isinstance(result, Encoded)
+            writer.add(result.input_ids, result.loss_mask)
             kept_per_file[str(source.path)] = kept_per_file.get(str(source.path), 0) + 1
             stats.kept += 1
-            stats.trimmed_leading += int(any(item.trimmed_leading > 0 for item in encoded))
-            for item in encoded:
-                writer.add(item.input_ids, item.loss_mask)
-                stats.samples += 1
-                stats.total_tokens += len(item.input_ids)
-                stats.supervised_tokens += int(item.loss_mask.sum())
-                stats.truncated += int(item.truncated)
-                stats.cut_answers += item.cut_answers
-                stats.empty_answers += item.empty_answers
+            stats.total_tokens += len(result.input_ids)
+            stats.supervised_tokens += int(result.loss_mask.sum())
+            stats.truncated += int(result.truncated)
+            stats.trimmed_leading += int(result.trimmed_leading > 0)
+            stats.cut_answers += result.cut_answers
+            stats.empty_answers += result.empty_answers
         batch.clear()
 
     limit = cfg.data.max_samples
@@ -426,8 +416,7 @@ def format_report(stats: PrepareStats, store: TokenStore, max_length: int) -> st
     lines += [
         f"records read         {stats.records_read:>10,}"
         + (f"   (+{stats.heldout} held out for evaluation)" if stats.heldout else ""),
-        f"kept                 {stats.kept:>10,}"
-        + (f"   ({stats.samples:,} samples)" if stats.samples != stats.kept else ""),
+        f"kept                 {stats.kept:>10,}",
         f"dropped              {dropped:>10,}",
     ]
     for reason in DROP_REASONS:
