@@ -330,3 +330,36 @@ def test_two_files_with_the_same_content_are_both_read(chats):
     copy = chats.parent / "copy.jsonl"
     copy.write_bytes(chats.read_bytes())
     assert [s.path.name for s in expand_paths([str(chats.parent)])] == ["a.jsonl", "copy.jsonl"]
+
+
+# --- the readers of the data use the one adapter -------------------------------------------------
+
+def test_regenerate_reads_every_layout_and_rejects_tool_calls_by_name(tmp_path):
+    from dflash_trainer.data.regenerate import RejectedInput, read_conversations
+
+    tool_chat = {"messages": [CHAT[0], {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "content": "42"}, CHAT[1]]}
+    path = _write_jsonl(tmp_path / "mixed.jsonl", [{"instruction": "Hi", "output": "Hello"},
+                                                   {"data": ["Hi", "Hello"]}, tool_chat])
+    cfg = load_config(None, [f"data.paths=[{path}]"])
+    first, second, third = read_conversations(cfg)
+    assert first == (f"{path}:1", CHAT) and second == (f"{path}:2", CHAT)
+    assert isinstance(third, RejectedInput) and third.id == f"{path}:3"
+    assert third.reason.startswith("tool calls: an answer generated anew would not match")
+
+
+def test_eval_prompt_files_and_heldout_prompts_read_every_layout(tmp_path):
+    from dflash_trainer.data.prepare import heldout_conversations
+    from dflash_trainer.evaluation.prompt_sets import read_prompt_file
+
+    path = _write_jsonl(tmp_path / "prompts.jsonl", [
+        {"instruction": "Say hi.", "output": "Hello"},
+        {"conversation": [{"role": "developer", "content": "Be brief."}, *CHAT]},
+        {"data": ["Q1", "A1", "Q2", "A2"]}])
+    prompts = read_prompt_file(path)
+    assert [p.turns for p in prompts] == [["Say hi."], ["Hi"], ["Q1", "Q2"]]
+    assert prompts[1].system == "Be brief."
+    cfg = load_config(None, [f"data.paths=[{path}]", "data.heldout_samples=1"])
+    assert heldout_conversations(cfg) == [[{"role": "user", "content": "Say hi."},
+                                           {"role": "assistant", "content": "Hello"}]]
