@@ -35,6 +35,7 @@ field, an unknown role, a wrong type) is ``malformed``, with a message naming th
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -109,6 +110,15 @@ _LAYOUT_NAMES = {"messages": "OpenAI", "sharegpt": "ShareGPT", "lmsys": "lmsys",
                  "tokenized": "pre-tokenized"}
 
 
+_NO_FIELD_MAP = FieldsConfig()
+
+
+@functools.cache
+def _roles(names: tuple[str, ...]) -> dict[str, str]:
+    """The role aliases with ``data.fields.roles`` (its ``NAME=ROLE`` entries) over them."""
+    return {**ROLE_ALIASES, **FieldsConfig(roles=list(names)).role_map()}
+
+
 def detect_layout(raw: dict[str, Any]) -> Layout | None:
     """The first layout whose keys ``raw`` has, or None."""
     return next((layout for layout, keys in _LAYOUT_KEYS.items() if all(k in raw for k in keys)), None)
@@ -123,8 +133,8 @@ def normalize_record(raw: Any, location: Location, format: Format = "auto", *,
     """
     if not isinstance(raw, dict):
         return Rejected("malformed", f"expected a JSON object, got {type(raw).__name__}", location)
-    fields = fields or FieldsConfig()
-    roles = {**ROLE_ALIASES, **fields.role_map()}
+    fields = fields or _NO_FIELD_MAP
+    roles = _roles(tuple(fields.roles))
     found: Drops = {}
     try:
         if fields.messages is not None:
@@ -279,6 +289,8 @@ def _messages(turns: Any, roles: dict[str, str], drops: Drops, *, keys: tuple[st
 
 def _message(turn: dict[str, Any], j: int, role: str, role_key: str, content_key: str,
              drops: Drops) -> dict[str, Any]:
+    if len(turn) == 2 and isinstance(turn.get(content_key), str):
+        return {"role": role, "content": turn[content_key]}  # the common case: nothing else to read
     calls = _tool_calls(turn, j, drops) if role == "assistant" else []
     if content_key not in turn and not calls:
         raise _Malformed(f"message {j}: missing field {content_key!r} (has {sorted(turn)})")
