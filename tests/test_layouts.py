@@ -363,3 +363,19 @@ def test_eval_prompt_files_and_heldout_prompts_read_every_layout(tmp_path):
     cfg = load_config(None, [f"data.paths=[{path}]", "data.heldout_samples=1"])
     assert heldout_conversations(cfg) == [[{"role": "user", "content": "Say hi."},
                                            {"role": "assistant", "content": "Hello"}]]
+
+
+def test_a_parquet_file_of_several_layouts_reads_each_row_by_its_own(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"messages": CHAT}, {"instruction": "Hi", "output": "Hello"}, {"data": ["Hi", "Hello"]},
+            {"messages": [CHAT[0], {**CHAT[1], "tool_calls": None, "reasoning_content": None}]}]
+    columns = {key for row in rows for key in row}
+    path = tmp_path / "mixed.parquet"
+    # One schema for every row, as datasets writes concatenated sets: absent keys are nulls.
+    pq.write_table(pa.Table.from_pylist([{key: row.get(key) for key in sorted(columns)} for row in rows]), path)
+    stats: list[SourceStats] = []
+    records = list(read_records(expand_paths([str(path)]), stats=stats))
+    assert [r.messages for r in records] == [CHAT] * 4
+    assert stats[0].dropped_fields == {}

@@ -120,8 +120,10 @@ def _roles(names: tuple[str, ...]) -> dict[str, str]:
 
 
 def detect_layout(raw: dict[str, Any]) -> Layout | None:
-    """The first layout whose keys ``raw`` has, or None."""
-    return next((layout for layout, keys in _LAYOUT_KEYS.items() if all(k in raw for k in keys)), None)
+    """The first layout whose keys ``raw`` has, or None. A null value is no key: a Parquet or
+    Arrow file holding several layouts has every layout's columns, null where a row lacks one."""
+    return next((layout for layout, keys in _LAYOUT_KEYS.items()
+                 if all(raw.get(k) is not None for k in keys)), None)
 
 
 def normalize_record(raw: Any, location: Location, format: Format = "auto", *,
@@ -138,7 +140,7 @@ def normalize_record(raw: Any, location: Location, format: Format = "auto", *,
     found: Drops = {}
     try:
         if fields.messages is not None:
-            if fields.messages not in raw:
+            if raw.get(fields.messages) is None:
                 return Rejected("malformed", f"no {fields.messages!r} field (data.fields.messages); "
                                 f"record keys: {sorted(raw)}", location)
             messages = _messages(raw[fields.messages], roles, found,
