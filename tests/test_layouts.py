@@ -166,6 +166,10 @@ def test_required_format_names_its_fields():
     assert record.message.startswith("no 'instruction' and 'output' fields (data.format=alpaca)")
     record, _ = _adapt({"data": ["Hi", "Hello"]}, format="ultrachat")
     assert isinstance(record, Conversation)
+    # A required layout is read even where detection would pick another first.
+    both = {"messages": [{"role": "user", "content": "other"}], "conversations": [{"from": "human", "value": "Hi"}]}
+    record, _ = _adapt(both, format="sharegpt")
+    assert record.messages == CHAT[:1]
 
 
 def test_a_record_of_no_layout_is_one_line_naming_file_and_line(tmp_path):

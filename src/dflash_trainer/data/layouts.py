@@ -119,11 +119,12 @@ def _roles(names: tuple[str, ...]) -> dict[str, str]:
     return {**ROLE_ALIASES, **FieldsConfig(roles=list(names)).role_map()}
 
 
-def detect_layout(raw: dict[str, Any]) -> Layout | None:
-    """The first layout whose keys ``raw`` has, or None. A null value is no key: a Parquet or
-    Arrow file holding several layouts has every layout's columns, null where a row lacks one."""
+def detect_layout(raw: dict[str, Any], required: Layout | None = None) -> Layout | None:
+    """The first layout whose keys ``raw`` has (only ``required``, when given), or None. A null
+    value is no key: a Parquet or Arrow file holding several layouts has every layout's columns,
+    null where a row lacks one."""
     return next((layout for layout, keys in _LAYOUT_KEYS.items()
-                 if all(raw.get(k) is not None for k in keys)), None)
+                 if layout == (required or layout) and all(raw.get(k) is not None for k in keys)), None)
 
 
 def normalize_record(raw: Any, location: Location, format: Format = "auto", *,
@@ -146,8 +147,8 @@ def normalize_record(raw: Any, location: Location, format: Format = "auto", *,
             messages = _messages(raw[fields.messages], roles, found,
                                  role_key=fields.role, content_key=fields.content)
         else:
-            detected = detect_layout(raw)
-            if format not in ("auto", "hf") and detected != format:
+            detected = detect_layout(raw, None if format in ("auto", "hf") else format)  # type: ignore[arg-type]
+            if detected is None and format not in ("auto", "hf"):
                 wanted = _LAYOUT_KEYS[format]  # type: ignore[index]
                 return Rejected("malformed", f"no {' and '.join(map(repr, wanted))} field"
                                 f"{'s' if len(wanted) > 1 else ''} (data.format={format}); "
