@@ -383,3 +383,23 @@ def test_a_parquet_file_of_several_layouts_reads_each_row_by_its_own(tmp_path):
     records = list(read_records(expand_paths([str(path)]), stats=stats))
     assert [r.messages for r in records] == [CHAT] * 4
     assert stats[0].dropped_fields == {}
+
+
+@pytest.mark.slow
+def test_cli_prepare_reads_a_custom_layout_through_data_fields(tmp_path, capsys):
+    from dflash_trainer.cli.main import main as cli_main
+
+    answer = " ".join(f"word{i}" for i in range(30))
+    path = _write_jsonl(tmp_path / "dialogs.jsonl", [
+        {"dialog": [{"speaker": "prompter", "text": f"question {i}", "mood": "calm"},
+                    {"speaker": "bot", "text": answer}]} for i in range(3)])
+    argv = ["prepare", "--data", str(path), f"data.cache_dir={tmp_path / 'cache'}", "data.heldout_samples=0",
+            "data.fields.messages=dialog", "data.fields.role=speaker", "data.fields.content=text",
+            "data.fields.roles=[prompter=user, bot=assistant]"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"{path}: 3 records read; fields dropped: mood 3" in out
+    assert "data: 3 records read (+0 held out), 3 kept, 0 dropped" in out
+    # Without the map the same file is refused on its first record, naming file and line.
+    assert cli_main(argv[:5]) == 1
+    assert f"{path}:1 (record 0): record matches no layout" in capsys.readouterr().err
