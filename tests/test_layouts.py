@@ -403,3 +403,23 @@ def test_cli_prepare_reads_a_custom_layout_through_data_fields(tmp_path, capsys)
     # Without the map the same file is refused on its first record, naming file and line.
     assert cli_main(argv[:5]) == 1
     assert f"{path}:1 (record 0): record matches no layout" in capsys.readouterr().err
+
+
+def test_every_example_of_the_layouts_section_in_docs_data_md_reads():
+    doc = (Path(__file__).parents[1] / "docs" / "data.md").read_text()
+    section = doc[doc.index("\n## Layouts\n"):]
+    section = section[:section.index("\n## ", 1)]
+    blocks = re.findall(r"```json\n(.*?)```", section, flags=re.S)
+    decoder, records = json.JSONDecoder(), []
+    for block in blocks:  # one or more JSON objects, each over one or more lines
+        pos = 0
+        while block[pos:].strip():
+            pos += len(block[pos:]) - len(block[pos:].lstrip())
+            record, pos = decoder.raw_decode(block, pos)
+            records.append(record)
+    assert len(records) >= 7  # OpenAI, ShareGPT, lmsys, Alpaca, TRL (2), UltraChat
+    for raw in records:
+        record, drops = _adapt(raw)
+        assert isinstance(record, Conversation), (raw, record)
+        assert drops == {}
+        assert any(m["role"] == "assistant" for m in record.messages)
