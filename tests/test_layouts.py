@@ -360,9 +360,10 @@ def test_eval_prompt_files_and_heldout_prompts_read_every_layout(tmp_path):
     path = _write_jsonl(tmp_path / "prompts.jsonl", [
         {"instruction": "Say hi.", "output": "Hello"},
         {"conversation": [{"role": "developer", "content": "Be brief."}, *CHAT]},
-        {"data": ["Q1", "A1", "Q2", "A2"]}])
+        {"data": ["Q1", "A1", "Q2", "A2"]},
+        {"prompt": [{"role": "user", "content": "Hey"}], "completion": [CHAT[1]]}])
     prompts = read_prompt_file(path)
-    assert [p.turns for p in prompts] == [["Say hi."], ["Hi"], ["Q1", "Q2"]]
+    assert [p.turns for p in prompts] == [["Say hi."], ["Hi"], ["Q1", "Q2"], ["Hey"]]
     assert prompts[1].system == "Be brief."
     cfg = load_config(None, [f"data.paths=[{path}]", "data.heldout_samples=1"])
     assert heldout_conversations(cfg) == [[{"role": "user", "content": "Say hi."},

@@ -168,7 +168,8 @@ def read_prompt_file(path: str | Path) -> list[EvalPrompt]:
         raw_id = record.get("question_id", record.get("id", len(prompts)))
         category = record.get("category")
         category = str(category) if category is not None else None
-        if "turns" in record or "prompt" in record:
+        # A list under 'prompt' is TRL's conversational layout: read by the chat layouts below.
+        if "turns" in record or ("prompt" in record and not isinstance(record["prompt"], list)):
             turns = record["turns"] if "turns" in record else [record["prompt"]]
             if (not isinstance(turns, list) or not turns
                     or not all(isinstance(t, str) and t.strip() for t in turns)):
