@@ -151,6 +151,12 @@ def test_field_map_reads_any_other_layout():
     record, _ = _adapt({"conversations": [{"from": "prompter", "value": "Hi"}, {"from": "bot", "value": "Hello"}]},
                        fields=FieldsConfig(roles=["prompter=user", "bot=assistant"]))
     assert record.messages == CHAT
+    # A name mapped to function_call is a tool-call turn, as ShareGPT's own.
+    record, _ = _adapt({"conversations": [{"from": "human", "value": "Hi"},
+                                          {"from": "tool_call", "value": '{"name": "f", "arguments": {}}'}]},
+                       fields=FieldsConfig(roles=["tool_call=function_call"]))
+    assert record.messages[1] == {"role": "assistant", "content": "",
+                                  "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}]}
 
 
 def test_a_message_list_may_use_either_key_pair():

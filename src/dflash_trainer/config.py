@@ -163,16 +163,17 @@ class FieldsConfig:
     """Message key holding the text (needs ``messages``); none: ``content`` or ``value``."""
     roles: list[str] = field(default_factory=list)
     """Role names of the data as ``NAME=ROLE`` (ROLE one of system, developer, user, assistant,
-    tool), e.g. ``[prompter=user, bot=assistant]``; applies to every layout."""
+    tool, or function_call for a turn whose text is a JSON tool call), e.g.
+    ``[prompter=user, bot=assistant]``; applies to every layout."""
 
     def role_map(self) -> dict[str, str]:
         """``roles`` as {lower-case name of the data: role}; ConfigError naming the bad entry."""
         mapping: dict[str, str] = {}
         for i, entry in enumerate(self.roles):
             name, sep, role = entry.partition("=")
-            if not sep or not name.strip() or role.strip() not in CHAT_ROLES:
+            if not sep or not name.strip() or role.strip() not in (*CHAT_ROLES, "function_call"):
                 raise ConfigError(f"data.fields.roles[{i}]={entry!r}: expected NAME=ROLE with ROLE one of "
-                                  f"{', '.join(CHAT_ROLES)} (e.g. prompter=user)")
+                                  f"{', '.join(CHAT_ROLES)} or function_call (e.g. prompter=user)")
             mapping[name.strip().lower()] = role.strip()
         return mapping
 

@@ -279,7 +279,7 @@ def _messages(turns: Any, roles: dict[str, str], drops: Drops, *, keys: tuple[st
         if role_key not in turn:
             raise _Malformed(f"message {j}: missing field {role_key!r} (has {sorted(turn)})")
         name = str(turn[role_key]).strip().lower()
-        if name == FUNCTION_CALL_ROLE:
+        if roles.get(name, name) == FUNCTION_CALL_ROLE:
             _function_call_turn(turn, j, content_key, messages, drops, role_key)
             continue
         role = roles.get(name)
