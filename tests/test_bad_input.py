@@ -170,10 +170,12 @@ def _prepare(name: str, content: bytes, *extra: str) -> Callable[[Path, Path], l
     return argv
 
 
-TOOL_CALL = {"messages": [
-    {"role": "user", "content": "weather?"},
-    {"role": "assistant", "content": None, "function_call": {"name": "weather", "arguments": "{}"}},
-    {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "It is sunny."}]}
+
+
+def _named_twice(t: Path, d: Path) -> list[str]:
+    (d / "chats").mkdir()
+    data = _write(d / "chats" / "a.jsonl", jsonl([chat(i) for i in range(4)]))
+    return ["prepare", *data_args(t, d, [data.parent, data])]
 
 # --- library boundaries: builders of broken targets, datasets and exports ----------------------
 
@@ -515,8 +517,12 @@ CASES = [
     Case("invalid UTF-8 byte", _prepare("latin1.jsonl", jsonl([chat(0)]).replace(b"question",
                                                                                  b"qu\xe9stion")),
          1, r"data error: .*latin1.jsonl:1 \(record 0\): invalid UTF-8 byte 0xe9"),
-    Case("tool-use conversation", _prepare("tools.jsonl", jsonl([TOOL_CALL])), 1,
-         r"data error: .*tools.jsonl:1 \(record 0\): message 1: tool-use messages are not supported"),
+    Case("a record of no known layout", _prepare("text.jsonl", jsonl([{"text": "a plain text record"}])), 1,
+         r"data error: .*text.jsonl:1 \(record 0\): record matches no layout: it has none of the fields "
+         r"'messages' \(OpenAI\), .*; keys: \['text'\]; map its fields with data.fields"),
+    Case("the same file named twice", _named_twice, 2,
+         r"config error: data.paths entries '.*chats' and '.*chats/a.jsonl' both reach the file "
+         r"'.*chats/a.jsonl'; its records would be trained on twice: name each file once"),
     Case("missing data path", lambda t, d: ["prepare", *data_args(t, d, d / "missing.jsonl")], 1,
          r"data error: data.paths entry '.*missing.jsonl': no such file or folder"),
     Case("--config is a folder", lambda t, d: ["prepare", "--config", str(d)], 2,
@@ -823,7 +829,7 @@ SLOW_CASES = {
     "eval: drafter for another target",
     "generate: drafter for another vocabulary", "prepare: a JSON array element nested 100,000 levels deep",
     "prepare: a JSON line nested 100,000 levels deep", "prepare: every assistant answer empty",
-    "empty .json file", "empty .jsonl file", "tool-use conversation", "every sample too long (drop)",
+    "empty .json file", "empty .jsonl file", "a record of no known layout", "every sample too long (drop)",
     "train: missing data path", "train: mask id out of range", "train: a BERT folder as target",
     "train: drafter heads do not divide the KV heads", "train: conv group size does not divide the hidden size",
     "train: no sample left", "train: resume=auto over damaged checkpoints only",

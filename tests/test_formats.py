@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dflash_trainer.data import formats
+from dflash_trainer.data import readers
 from dflash_trainer.data.formats import (Conversation, DataError, Rejected, Source,
                                          SourceStats, Tokenized, expand_paths, read_records,
                                          read_source)
@@ -119,7 +119,7 @@ def test_plain_folder_is_expanded_in_sorted_order(tmp_path):
 
 def test_truncated_json_array_recovers_every_complete_record(tmp_path, monkeypatch):
     # A tiny buffer makes records straddle chunk boundaries.
-    monkeypatch.setattr(formats, "_CHUNK_CHARS", 7)
+    monkeypatch.setattr(readers, "_CHUNK_CHARS", 7)
     text = json.dumps([SHAREGPT] * 3, indent=1)
     path = tmp_path / "cut.json"
     path.write_text(text[: len(text) - 40])

@@ -202,3 +202,21 @@ def test_cli_prepare_reports_a_missing_path(tmp_path, capsys):
                      f"data.cache_dir={tmp_path}"])
     assert code == 1
     assert "missing.jsonl': no such file or folder" in capsys.readouterr().err
+
+
+def test_prepare_reports_the_fields_it_dropped(tmp_path, smol):
+    extra = {"messages": [{"role": "user", "content": "q0", "weight": 1},
+                          {"role": "assistant", "content": LONG, "loss": True}]}
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [extra, _chat("q1", LONG), _chat("q2", LONG)]))
+    cfg = load_config(None, [f"data.paths=[{path}]", f"data.cache_dir={tmp_path / 'cache'}",
+                             "data.heldout_samples=0"])
+    store, stats = build_dataset(cfg, tokenizer=smol, log=None)
+    assert stats.kept == len(store) == 3
+    assert stats.dropped_fields == {"weight": 1, "loss": 1}
+    assert stats.summary() == ("3 records read (+0 held out), 3 kept, 0 dropped, "
+                               "0 truncated to data.max_length, fields dropped: loss 1, weight 1")
+    report = format_report(stats, store, cfg.data.max_length)
+    assert f"{path}: 3 records read; fields dropped: loss 1, weight 1" in report
+    assert "fields dropped                2   (no chat template renders them: loss 1, weight 1)" in report
+    assert json.loads((store.path / "meta.json").read_text())["stats"]["dropped_fields"] == {"weight": 1, "loss": 1}

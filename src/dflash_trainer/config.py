@@ -146,6 +146,39 @@ def resume_rules(*, equal: tuple[str, ...] = (), may_change: tuple[str, ...] = (
 
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+"""The roles a conversation's messages have once read (what chat templates render)."""
+
+
+@resume_rules(equal=("messages", "role", "content", "roles"))
+@dataclass(kw_only=True)
+class FieldsConfig:
+    """Where records of a layout the trainer does not detect keep their chat (``data.fields``)."""
+
+    messages: str | None = None
+    """Record key holding the list of messages; when set, every record is read through this map
+    (none: the layout is detected per record)."""
+    role: str | None = None
+    """Message key holding the role (needs ``messages``); none: ``role`` or ``from``."""
+    content: str | None = None
+    """Message key holding the text (needs ``messages``); none: ``content`` or ``value``."""
+    roles: list[str] = field(default_factory=list)
+    """Role names of the data as ``NAME=ROLE`` (ROLE one of system, developer, user, assistant,
+    tool, or function_call for a turn whose text is a JSON tool call), e.g.
+    ``[prompter=user, bot=assistant]``; applies to every layout."""
+
+    def role_map(self) -> dict[str, str]:
+        """``roles`` as {lower-case name of the data: role}; ConfigError naming the bad entry."""
+        mapping: dict[str, str] = {}
+        for i, entry in enumerate(self.roles):
+            name, sep, role = entry.partition("=")
+            if not sep or not name.strip() or role.strip() not in (*CHAT_ROLES, "function_call"):
+                raise ConfigError(f"data.fields.roles[{i}]={entry!r}: expected NAME=ROLE with ROLE one of "
+                                  f"{', '.join(CHAT_ROLES)} or function_call (e.g. prompter=user)")
+            mapping[name.strip().lower()] = role.strip()
+        return mapping
+
+
 @resume_rules(equal=("paths", "format", "max_length", "on_too_long", "min_supervised_tokens", "on_error",
                      "thinking", "last_turn_only", "max_samples", "heldout_samples"),
               may_change=("cache_dir",))
@@ -155,8 +188,12 @@ class DataConfig:
 
     paths: list[str] = field(default_factory=lambda: ["sharegpt"])
     """Data files or folders; ``sharegpt`` is the embedded ShareGPT set."""
-    format: Literal["auto", "messages", "sharegpt", "tokenized", "hf"] = "auto"
-    """Record format; ``auto`` detects it per record."""
+    format: Literal["auto", "messages", "sharegpt", "lmsys", "alpaca", "prompt_completion", "ultrachat",
+                    "tokenized", "hf"] = "auto"
+    """Record layout (see docs/data.md); ``auto`` (and ``hf``) detects it per record, any other
+    value requires it of every record."""
+    fields: FieldsConfig = field(default_factory=FieldsConfig)
+    """A field map for chat data of any other layout (``data.fields.messages`` and the keys below)."""
     max_length: int = ranged(3072, ge=2, le=TOKENS_MAX)
     """Longest tokenized sample, in tokens."""
     on_too_long: Literal["truncate", "drop"] = "truncate"
@@ -667,6 +704,16 @@ def validate(cfg: Config) -> None:
          f"pipeline.tokens_per_batch ({cfg.pipeline.tokens_per_batch}) must be >= "
          f"data.max_length ({cfg.data.max_length}) so the longest sample fits a batch"),
     ]
+    fields = cfg.data.fields
+    fields.role_map()
+    if fields.messages is None:
+        unused = [f"data.fields.{k}" for k in ("role", "content") if getattr(fields, k) is not None]
+        checks.append((not unused, f"{' and '.join(unused)} name message keys, but data.fields.messages (the "
+                                   "record key holding the messages) is not set; set it too"))
+    else:
+        checks.append((cfg.data.format in ("auto", "hf"),
+                       f"data.fields.messages={fields.messages!r} is the layout of every record, but "
+                       f"data.format={cfg.data.format} requires another; set data.format=auto"))
     bounds = cfg.pipeline.bucket_boundaries
     if bounds is not None:
         checks.append((list(bounds) == sorted(set(bounds)) and len(bounds) > 0,

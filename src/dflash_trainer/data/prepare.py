@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from dflash_trainer.core.distributed import DistInfo
 
 from dflash_trainer.core.assets import cache_root, load_tokenizer, resolve_target
-from dflash_trainer.config import Config, config_to_dict, save_config
+from dflash_trainer.config import Config, FieldsConfig, config_to_dict, save_config
 from dflash_trainer.data.cache import (
     FORMAT_VERSION,
     TokenStore,
@@ -96,6 +96,9 @@ class PrepareStats:
     """Kept samples cut to ``data.max_length``."""
     trimmed_leading: int = 0
     """Conversations whose assistant messages before the first user message were removed."""
+    dropped_fields: dict[str, int] = field(default_factory=dict)
+    """Fields of the records read that no chat template renders, left out, by name (summed over
+    the files; held-out records included)."""
     cut_answers: int = 0
     """Kept answers marked ``truncated`` (cut before the model ended its turn)."""
     empty_answers: int = 0
@@ -133,7 +136,13 @@ class PrepareStats:
         return (f"{self.records_read:,} records read (+{self.heldout:,} held out), "
                 f"{self.kept:,} kept, {dropped:,} dropped" + (f" ({reasons})" if reasons else "")
                 + f", {self.truncated:,} truncated to data.max_length"
-                + (f", {self.empty_answers:,} empty answers unsupervised" if self.empty_answers else ""))
+                + (f", {self.empty_answers:,} empty answers unsupervised" if self.empty_answers else "")
+                + (f", fields dropped: {format_counts(self.dropped_fields)}" if self.dropped_fields else ""))
+
+
+def format_counts(counts: dict[str, int]) -> str:
+    """``name N, name M`` by count, largest first (dropped field names and their counts)."""
+    return ", ".join(f"{name} {n:,}" for name, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
 def cache_dir(cfg: Config) -> Path:
@@ -169,6 +178,8 @@ def build_dataset(cfg: Config, *, tokenizer: Any = None,
         "tokenizer": tokenizer_fingerprint(tokenizer),
         "options": dataclasses.asdict(options),
         "format": cfg.data.format,
+        # Only a set field map is part of the key, so stores built before it existed stay valid.
+        **({"fields": dataclasses.asdict(cfg.data.fields)} if cfg.data.fields != FieldsConfig() else {}),
         "on_error": [on_error_policy(cfg.data.on_error, s) for s in sources],
         "heldout_samples": cfg.data.heldout_samples,
         "max_samples": cfg.data.max_samples,
@@ -250,7 +261,7 @@ def _split(cfg: Config, sources: list[Source], source_stats: list[SourceStats]
         stats = SourceStats(path=str(source.path))
         source_stats.append(stats)
         policy = on_error_policy(cfg.data.on_error, source)
-        for record in read_source(source, format=cfg.data.format, stats=stats):
+        for record in read_source(source, format=cfg.data.format, fields=cfg.data.fields, stats=stats):
             record = apply_on_error(record, policy)
             held = heldout_left > 0 and source.origin == sources[0].origin
             if held:
@@ -321,6 +332,9 @@ def _tokenize_into(writer: TokenStoreWriter, cfg: Config, sources: list[Source],
         flush()
     finally:
         stats.sources = [dataclasses.asdict(s) for s in source_stats]
+        for source in source_stats:
+            for name, count in source.dropped_fields.items():
+                stats.dropped_fields[name] = stats.dropped_fields.get(name, 0) + count
     _check_heldout_share(cfg, sources, source_stats, stats)
     _check_nothing_lost(read_per_file, kept_per_file, stats)
 
@@ -394,6 +408,8 @@ def format_report(stats: PrepareStats, store: TokenStore, max_length: int) -> st
             line += "; reading stopped at an invalid JSON element (rest unreadable)"
         if source["stopped_early"]:
             line += " (stopped at data.max_samples)"
+        if source.get("dropped_fields"):
+            line += f"; fields dropped: {format_counts(source['dropped_fields'])}"
         lines.append(line)
     lines = ["sources:"] + lines
     dropped = sum(stats.dropped.values())
@@ -412,6 +428,8 @@ def format_report(stats: PrepareStats, store: TokenStore, max_length: int) -> st
           if stats.cut_answers else []),
         *([f"empty answers unsupervised {stats.empty_answers:>5,}   (in kept conversations with other answers)"]
           if stats.empty_answers else []),
+        *([f"fields dropped       {sum(stats.dropped_fields.values()):>10,}   (no chat template renders them: "
+           f"{format_counts(stats.dropped_fields)})"] if stats.dropped_fields else []),
         f"tokens               {stats.total_tokens:>10,}",
         f"supervised tokens    {stats.supervised_tokens:>10,}"
         + (f"   ({100 * stats.supervised_tokens / stats.total_tokens:.1f}%)"

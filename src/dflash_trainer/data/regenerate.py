@@ -703,6 +703,11 @@ def main(cfg: Any, args: argparse.Namespace) -> int:
     return 1 if summary.failed else 0
 
 
+def has_tool_use(conversation: Conversation) -> bool:
+    """Whether a conversation calls tools (an assistant ``tool_calls`` or a ``tool`` message)."""
+    return any(m["role"] == "tool" or m.get("tool_calls") for m in conversation.messages)
+
+
 def read_conversations(cfg: Any) -> Iterator[SourceConversation | RejectedInput]:
     """The records of ``cfg.data.paths`` with stable ids: ``FILE:LINE`` for text files,
     ``FILE#INDEX`` for Parquet/Arrow rows and ``sharegpt#INDEX`` for the embedded set.
@@ -712,7 +717,7 @@ def read_conversations(cfg: Any) -> Iterator[SourceConversation | RejectedInput]
     """
     for source in expand_paths(list(cfg.data.paths)):
         for record in read_records([source], format=cfg.data.format,
-                                   on_error=cfg.data.on_error):
+                                   on_error=cfg.data.on_error, fields=cfg.data.fields):
             loc = record.location
             if source.embedded:
                 record_id = f"{source.origin}#{loc.index}"
@@ -720,7 +725,10 @@ def read_conversations(cfg: Any) -> Iterator[SourceConversation | RejectedInput]
                 record_id = f"{loc.file}:{loc.line}"
             else:
                 record_id = f"{loc.file}#{loc.index}"
-            if isinstance(record, Conversation):
+            if isinstance(record, Conversation) and has_tool_use(record):
+                yield RejectedInput(record_id, "tool calls: an answer generated anew would not match the "
+                                    "tool results recorded after it; train on this conversation as it is")
+            elif isinstance(record, Conversation):
                 yield record_id, record.messages
             elif isinstance(record, Rejected):
                 yield RejectedInput(record_id, f"{record.reason}: {record.message}")

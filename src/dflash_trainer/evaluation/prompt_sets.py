@@ -60,7 +60,8 @@ def prompt_from_messages(messages: Sequence[dict[str, str]], prompt_id: str,
 
     Assistant messages are dropped: each user turn is answered by the evaluated model itself.
     """
-    system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+    # A developer message is the system prompt of templates without a developer role.
+    system = messages[0]["content"] if messages and messages[0]["role"] in ("system", "developer") else None
     turns = [m["content"] for m in messages if m["role"] == "user"]
     if not turns:
         return None
@@ -139,8 +140,8 @@ PROMPT_SETS: dict[str, PromptSet] = {s.name: s for s in (
 def read_prompt_file(path: str | Path) -> list[EvalPrompt]:
     """Prompts from a JSONL file, one object per line, with one of:
 
-    ``{"turns": [str, ...]}`` (MT-Bench ``question.jsonl``), ``{"prompt": str}``,
-    ``{"messages": [{"role", "content"}]}`` or ``{"conversations": [{"from", "value"}]}``;
+    ``{"turns": [str, ...]}`` (MT-Bench ``question.jsonl``), ``{"prompt": str}``, or a chat
+    record of any layout that ``prepare`` reads (``messages``, ShareGPT ``conversations``, ...);
     optional ``question_id`` or ``id`` and ``category``. Any bad line raises :class:`EvalError`
     naming file and line.
     """
@@ -167,7 +168,8 @@ def read_prompt_file(path: str | Path) -> list[EvalPrompt]:
         raw_id = record.get("question_id", record.get("id", len(prompts)))
         category = record.get("category")
         category = str(category) if category is not None else None
-        if "turns" in record or "prompt" in record:
+        # A list under 'prompt' is TRL's conversational layout: read by the chat layouts below.
+        if "turns" in record or ("prompt" in record and not isinstance(record["prompt"], list)):
             turns = record["turns"] if "turns" in record else [record["prompt"]]
             if (not isinstance(turns, list) or not turns
                     or not all(isinstance(t, str) and t.strip() for t in turns)):
@@ -179,8 +181,8 @@ def read_prompt_file(path: str | Path) -> list[EvalPrompt]:
         normalized = normalize_record(record, Location(str(path), len(prompts), line_no))
         if not isinstance(normalized, Conversation):
             reason = getattr(normalized, "message", "pre-tokenized records are not prompts")
-            raise EvalError(f"{where}: not a prompt: {reason}; expected 'turns', 'prompt', 'messages' "
-                            f"or 'conversations'")
+            raise EvalError(f"{where}: not a prompt: {reason}; expected 'turns', 'prompt' or a chat record "
+                            "(docs/data.md)")
         prompt = prompt_from_messages(normalized.messages, str(raw_id), category)
         if prompt is None:
             raise EvalError(f"{where}: the conversation has no user message to prompt with")
