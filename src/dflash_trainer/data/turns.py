@@ -1,0 +1,120 @@
+"""Which texts a conversation becomes, and which characters of them are supervised.
+
+The ground truth of assistant turn ``k`` is what an engine serves: the context
+``H_k = render(messages[:k], add_generation_prompt=True)`` and the text the template writes for the
+turn, ``T_k = render(messages[:k+1])``, after that context. When ``T_k`` extends ``H_k``, the turn's
+supervised text is ``T_k[len(H_k):]``. When the generation prompt holds a pre-filled scaffold that
+the recorded turn does not repeat (``<think>\\n`` of DeepSeek-R1 distills and QwQ, or Qwen3's empty
+think block under ``enable_thinking=false`` beside an answer that carries reasoning), the boundary
+falls back to the common prefix of ``H_k`` and ``T_k``, which is valid only when the history
+without the generation prompt, ``render(messages[:k])``, is a prefix of ``T_k``; otherwise the
+turn cannot be placed and the conversation is refused (``unrenderable``).
+
+A template is prefix-stable for a conversation when every supervised turn's ``T_k`` is a prefix of
+the whole conversation's render (history rendered as it was when the turn was generated). Then
+the conversation is one sample, as before. Turns that break this (Qwen3 drops the think block of
+earlier turns, so turn 1 as history differs from turn 1 as the last turn) each become a sample
+of their own, ``T_k`` with its context; the turns that do not break it stay in the one sample of
+the whole conversation. ``thinking`` is per turn: on for an answer that carries reasoning (the
+model produced it thinking), ``data.thinking`` otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from dflash_trainer.data.render import ChatRenderer, RenderFailure, reasoning_of
+
+HISTORY_DIFFERS = "history_differs"
+"""Why a turn got a sample of its own: the template renders it differently as history."""
+
+
+@dataclass(frozen=True)
+class TurnText:
+    """One sample's text: supervised character spans and the assistant message index of each."""
+
+    text: str
+    spans: list[tuple[int, int]]
+    turns: list[int]
+    whole: bool
+    """The render of the whole conversation (False: a turn's own sample, ``T_k``)."""
+
+
+@dataclass(kw_only=True)
+class TurnPlan:
+    """What one conversation becomes."""
+
+    samples: list[TurnText] = field(default_factory=list)
+    own_samples: int = 0
+    """Turns that became a sample of their own (0: one sample for the conversation)."""
+    reasoning_answers: int = 0
+    """Supervised answers carrying reasoning (a field or an inline think block)."""
+    reasoning_unrendered: int = 0
+    """Of those, answers whose reasoning the template leaves out of their supervised text."""
+
+
+def plan_turns(renderer: ChatRenderer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               *, supervised: list[int], thinking: bool,
+               truncated: set[int] = frozenset()) -> TurnPlan:
+    """The samples of a (trimmed) conversation whose assistant messages ``supervised`` are trained
+    on. ``truncated`` holds the assistant indices whose end of turn is not supervised. Raises
+    :class:`RenderFailure`."""
+    plan = TurnPlan()
+    prepared = renderer.engine_messages(messages, tools)
+    think = {k: thinking or bool(reasoning_of(m)) for k, m in enumerate(messages) if m["role"] == "assistant"}
+    plan.reasoning_answers = sum(bool(reasoning_of(messages[k])) for k in supervised)
+
+    def render(upto: int, prompt: bool, k: int) -> str:
+        return renderer.render(prepared[:upto], tools=tools, generation_prompt=prompt, thinking=think[k])
+
+    last = len(messages) - 1
+    full = render(len(messages), False, last)
+    renderer.check_tools_rendered(prepared, full)
+    whole = TurnText(full, [], [], True)
+    own: list[TurnText] = []
+    end = 0
+    for k in supervised:
+        turn = full if k == last else render(k + 1, False, k)
+        start = _boundary(turn, render(k, True, k), functools.partial(render, k, False, k), k)
+        stop = _content_stop(messages[k], turn, start) if k in truncated else len(turn)
+        reasoning = reasoning_of(messages[k])
+        plan.reasoning_unrendered += bool(reasoning) and reasoning not in turn[start:stop]
+        if full.startswith(turn) and start >= end:
+            whole.spans.append((start, stop))
+            whole.turns.append(k)
+            end = len(turn)
+        else:
+            own.append(TurnText(turn, [(start, stop)], [k], False))
+    plan.samples = ([whole] if whole.spans else []) + own
+    plan.own_samples = len(own)
+    return plan
+
+
+def _boundary(turn: str, head: str, history: Any, k: int) -> int:
+    """Where turn ``k``'s supervised text starts in its render ``turn`` (see the module docstring)."""
+    if turn.startswith(head):
+        return len(head)
+    base = history()
+    common = len(os.path.commonprefix([head, turn]))
+    if turn.startswith(base) and head.startswith(base) and common >= len(base):
+        return common
+    raise RenderFailure("unrenderable", f"the chat template does not render assistant message {k} "
+                        "as an extension of its context (neither the generation prompt nor the "
+                        "history before it is a prefix of the turn)")
+
+
+def _content_stop(message: dict[str, Any], turn: str, start: int) -> int:
+    """Where the content of a ``truncated`` answer ends inside its turn (its end of turn is no label)."""
+    content = message["content"]
+    # The first occurrence inside the turn: the template may trim the content, and the
+    # end-of-turn suffix comes after it.
+    found = [i + len(c) for c in dict.fromkeys((content, content.strip()))
+             if c and (i := turn.find(c, start)) >= 0]
+    if not found:
+        raise RenderFailure("unrenderable", "an answer is marked truncated, but the chat template "
+                            "does not render its content verbatim, so where it stops cannot be found; "
+                            "remove the mark")
+    return found[0]
