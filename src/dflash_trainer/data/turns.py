@@ -7,8 +7,14 @@ supervised text is ``T_k[len(H_k):]``. When the generation prompt holds a pre-fi
 the recorded turn does not repeat (``<think>\\n`` of DeepSeek-R1 distills and QwQ, or Qwen3's empty
 think block under ``enable_thinking=false`` beside an answer that carries reasoning), the boundary
 falls back to the common prefix of ``H_k`` and ``T_k``, which is valid only when the history
-without the generation prompt, ``render(messages[:k])``, is a prefix of ``T_k``; otherwise the
-turn cannot be placed and the conversation is refused (``unrenderable``).
+without the generation prompt, ``render(messages[:k])``, is a prefix of ``T_k``. When the history
+itself renders differently once the turn follows (LFM2.5 keeps the reasoning of the last
+assistant message only, so turn 1 in ``H_3`` keeps it and in ``T_3`` loses it), the sample is
+``H_k`` followed by what ``T_k`` writes after its last assistant header (the generation prompt,
+or its start up to a ``>`` or newline where the prompt pre-fills more, as an empty thinking
+block the turn does not write), provided that text holds the answer: the engine's context
+exactly, then the turn as the template writes it. Otherwise the turn cannot be placed and the
+conversation is refused (``unrenderable``).
 
 A template is prefix-stable for a conversation when every supervised turn's ``T_k`` is a prefix of
 the whole conversation's render (history rendered as it was when the turn was generated). Then
@@ -26,7 +32,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_trainer.data.render import ChatRenderer, RenderFailure, reasoning_of
+from dflash_trainer.data.render import THINK_CLOSE, ChatRenderer, RenderFailure, reasoning_of
 
 HISTORY_DIFFERS = "history_differs"
 """Why a turn got a sample of its own: the template renders it differently as history."""
@@ -77,8 +83,9 @@ def plan_turns(renderer: ChatRenderer, messages: list[dict[str, Any]], tools: li
     own: list[TurnText] = []
     end = 0
     for k in supervised:
-        turn = full if k == last else render(k + 1, False, k)
-        start = _boundary(turn, render(k, True, k), functools.partial(render, k, False, k), k)
+        rendered = full if k == last else render(k + 1, False, k)
+        turn, start = _place(rendered, render(k, True, k), functools.partial(render, k, False, k), k,
+                             messages[k])
         stop = _content_stop(messages[k], turn, start) if k in truncated else len(turn)
         reasoning = reasoning_of(messages[k])
         plan.reasoning_unrendered += bool(reasoning) and reasoning not in turn[start:stop]
@@ -93,17 +100,46 @@ def plan_turns(renderer: ChatRenderer, messages: list[dict[str, Any]], tools: li
     return plan
 
 
-def _boundary(turn: str, head: str, history: Any, k: int) -> int:
-    """Where turn ``k``'s supervised text starts in its render ``turn`` (see the module docstring)."""
+def _place(turn: str, head: str, history: Any, k: int, answer: dict[str, Any]) -> tuple[str, int]:
+    """Turn ``k``'s sample text and where its supervised text starts (see the module docstring).
+
+    ``turn`` is the template's render up to the turn, ``head`` its serving context,
+    ``history()`` the render of the messages before it without the generation prompt, and
+    ``answer`` the assistant message."""
     if turn.startswith(head):
-        return len(head)
+        return turn, len(head)
     base = history()
     common = len(os.path.commonprefix([head, turn]))
     if turn.startswith(base) and head.startswith(base) and common >= len(base):
-        return common
+        return turn, common
+    prompt = head[len(base):] if head.startswith(base) else ""
+    for header in _headers(prompt):
+        found = turn.rfind(header)
+        written = turn[found + len(header):]
+        if found >= 0 and _holds(written, answer):
+            # The history renders differently once the turn follows (a template keeping the
+            # reasoning of the last assistant message only), or the prompt pre-fills what the
+            # turn does not write (an empty thinking block): the engine's context, then what
+            # the template writes for the turn after its header.
+            return head + written, len(head)
     raise RenderFailure("unrenderable", f"the chat template does not render assistant message {k} "
                         "as an extension of its context (neither the generation prompt nor the "
-                        "history before it is a prefix of the turn)")
+                        "history before it is a prefix of the turn, and the turn has no header "
+                        "the generation prompt starts with)")
+
+
+def _headers(prompt: str) -> list[str]:
+    """Prefixes of a generation prompt that end after a ``>`` or a newline, longest first (the
+    assistant header without what the prompt pre-fills after it)."""
+    cuts = [i + 1 for i, c in enumerate(prompt) if c in ">\n" and prompt[:i + 1].strip()]
+    return [prompt[:i] for i in sorted(set(cuts), reverse=True)]
+
+
+def _holds(written: str, answer: dict[str, Any]) -> bool:
+    """Whether a turn's text holds its answer's content and tool call names."""
+    content = answer["content"].split(THINK_CLOSE)[-1].strip()
+    names = [(c.get("function") or {}).get("name") or "" for c in answer.get("tool_calls") or []]
+    return content in written and all(n in written for n in names)
 
 
 def _content_stop(message: dict[str, Any], turn: str, start: int) -> int:
