@@ -273,7 +273,7 @@ def check_context_length(cfg: Config, target: Path) -> None:
                           f"max_position_embeddings); set data.max_length <= {context}")
 
 
-def _split(cfg: Config, sources: list[Source], source_stats: list[SourceStats]
+def split_records(cfg: Config, sources: list[Source], source_stats: list[SourceStats]
            ) -> Iterator[tuple[bool, Source, Record]]:
     """(held_out, source, record) for every record, the first ``heldout_samples`` records of
     the first ``data.paths`` entry marked held out; malformed records raise under ``raise``."""
@@ -323,7 +323,7 @@ def _tokenize_into(writer: TokenStoreWriter, cfg: Config, sources: list[Source],
 
     limit = cfg.data.max_samples
     try:
-        for held, source, record in _split(cfg, sources, source_stats):
+        for held, source, record in split_records(cfg, sources, source_stats):
             if held:
                 stats.heldout += 1
                 continue
@@ -438,7 +438,7 @@ def heldout_conversations(cfg: Config) -> list[list[dict[str, str]]]:
     records of the first ``data.paths`` entry, without assistant messages before the first user
     message. Malformed, empty, pre-tokenized and user-less records give none."""
     conversations = []
-    for held, _, record in _split(cfg, expand_paths(cfg.data.paths), []):
+    for held, _, record in split_records(cfg, expand_paths(cfg.data.paths), []):
         if not held:
             break
         if not isinstance(record, Conversation):
@@ -519,7 +519,14 @@ def format_report(stats: PrepareStats, store: TokenStore, max_length: int) -> st
 
 
 def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
-    """The ``prepare`` command: build (or reuse) the token store and print its statistics."""
+    """The ``prepare`` command: build (or reuse) the token store and print its statistics; with
+    ``--show N``, print the first N samples with their supervised tokens marked instead."""
+    if args is not None and getattr(args, "show", None):
+        from dflash_trainer.data.show import show_samples
+
+        shown = show_samples(cfg, args.show, sys.stdout)
+        print(f"{shown} samples shown (supervised text between ⟦ and ⟧); no token store was written")
+        return 0
     started = time.monotonic()
     store, stats = build_dataset(cfg, log=lambda m: print(m, flush=True))
     print(format_report(stats, store, cfg.data.max_length))
