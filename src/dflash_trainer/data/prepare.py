@@ -210,6 +210,7 @@ def build_dataset(cfg: Config, *, tokenizer: Any = None,
     if store is not None:
         stats = PrepareStats.from_dict(store.stats)
         stats.reused, stats.cache_path = True, str(path)
+        _refuse_render_drops(cfg, stats)
         log(f"prepare: reusing the token store {path}")
         log(f"data: {stats.summary()}; dropped records listed in {path / DROPPED_FILE}")
         if len(store) == 0:
@@ -353,6 +354,19 @@ def _tokenize_into(writer: TokenStoreWriter, cfg: Config, sources: list[Source],
         stats.sources = [dataclasses.asdict(s) for s in source_stats]
     _check_heldout_share(cfg, sources, source_stats, stats)
     _check_nothing_lost(read_per_file, kept_per_file, stats)
+
+
+def _refuse_render_drops(cfg: Config, stats: PrepareStats) -> None:
+    """Under an explicit ``data.on_error=raise``, a reused store that dropped records the template
+    cannot render is refused as a fresh build would stop (the store key does not tell ``raise``
+    from ``auto``, under which such records are dropped)."""
+    if cfg.data.on_error != "raise":
+        return
+    for reason in RENDER_REASONS:
+        if stats.dropped.get(reason):
+            example = (stats.examples.get(reason) or [reason])[0]
+            raise DataError(f"{example} (with data.on_error=skip such records are skipped and counted "
+                            "instead)")
 
 
 def add_samples(stats: PrepareStats, result: Samples) -> None:
