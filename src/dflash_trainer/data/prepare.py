@@ -57,6 +57,7 @@ from dflash_trainer.data.formats import (
     on_error_policy,
     read_source,
 )
+from dflash_trainer.data.show import show_samples
 from dflash_trainer.data.tokenize import (
     RULES_VERSION,
     ChatTokenizer,
@@ -536,9 +537,9 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
     """The ``prepare`` command: build (or reuse) the token store and print its statistics; with
     ``--show N``, print the first N samples with their supervised tokens marked instead."""
     if args is not None and getattr(args, "show", None):
-        from dflash_trainer.data.show import show_samples
-
-        shown = show_samples(cfg, args.show, sys.stdout)
+        chat = ChatTokenizer(load_tokenizer(resolve_target(cfg.model.target)), TokenizeOptions.from_config(cfg))
+        records = (r for held, _, r in split_records(cfg, expand_paths(cfg.data.paths), []) if not held)
+        shown = show_samples(records, chat, args.show, sys.stdout)
         print(f"{shown} samples shown (supervised text between ⟦ and ⟧); no token store was written")
         return 0
     started = time.monotonic()

@@ -1,23 +1,21 @@
 """``dflash-trainer prepare --show N``: the first N training samples as text, supervised tokens marked.
 
-The samples come from the code path that fills the token store (the same reader, held-out
-split, :class:`~dflash_trainer.data.tokenize.ChatTokenizer` and options), so what is printed is
-what the drafter trains on. Each sample's text is its tokens decoded; the supervised runs are
-wrapped in :data:`OPEN` and :data:`CLOSE`. A per-turn sample names the assistant turn it
-supervises; a dropped record is printed with its reason.
+The samples come from the code path that fills the token store (``prepare`` hands over the same
+reader and held-out split, and a :class:`~dflash_trainer.data.tokenize.ChatTokenizer` with the
+same options), so what is printed is what the drafter trains on. Each sample's text is its
+tokens decoded; the supervised runs are wrapped in :data:`OPEN` and :data:`CLOSE`. A per-turn
+sample names the assistant turn it supervises; a dropped record is printed with its reason.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable
 from typing import Any, TextIO
 
 import numpy as np
 
-from dflash_trainer.config import Config
-from dflash_trainer.core.assets import load_tokenizer, resolve_target
-from dflash_trainer.data.formats import Rejected, expand_paths
-from dflash_trainer.data.tokenize import ChatTokenizer, Dropped, Encoded, Samples, TokenizeOptions
+from dflash_trainer.data.formats import Record, Rejected
+from dflash_trainer.data.tokenize import ChatTokenizer, Dropped, Encoded, Samples
 
 OPEN, CLOSE = "⟦", "⟧"
 """Marks around supervised text (characters chat data hardly holds)."""
@@ -43,24 +41,16 @@ def _turn_label(result: Samples, encoded: Encoded) -> str:
     return f"assistant turn{'s' if len(encoded.turns) > 1 else ''} {turns} of {len(assistant)}, {kind}"
 
 
-def _results(cfg: Config, chat: ChatTokenizer) -> Iterator[tuple[str, Samples | Dropped]]:
-    from dflash_trainer.data.prepare import split_records
-
-    for held, _, record in split_records(cfg, expand_paths(cfg.data.paths), []):
-        if held:
-            continue
-        if isinstance(record, Rejected):
-            yield str(record.location), Dropped(record.reason, record.describe())  # type: ignore[arg-type]
-            continue
-        yield str(record.location), chat.encode(record)
-
-
-def show_samples(cfg: Config, count: int, out: TextIO, *, tokenizer: Any = None) -> int:
-    """Print the first ``count`` samples of ``cfg``'s training data; returns how many."""
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(resolve_target(cfg.model.target))
-    chat = ChatTokenizer(tokenizer, TokenizeOptions.from_config(cfg))
+def show_samples(records: Iterable[Record], chat: ChatTokenizer, count: int, out: TextIO) -> int:
+    """Print the samples of ``records`` until ``count`` are shown (a dropped record is printed with
+    its reason in its place); returns how many were shown."""
     shown = 0
-    for location, result in _results(cfg, chat):
+    for record in records:
+        location = str(record.location)
+        if isinstance(record, Rejected):
+            print(f"--- {record.describe()}: dropped ({record.reason})", file=out)
+            continue
+        result = chat.encode(record)
         if isinstance(result, Dropped):
             print(f"--- {location}: dropped ({result.reason}): {result.message}", file=out)
             continue
@@ -72,5 +62,5 @@ def show_samples(cfg: Config, count: int, out: TextIO, *, tokenizer: Any = None)
             print(f"--- sample {shown}: {location}{where}; {len(encoded.input_ids)} tokens, "
                   f"{int(encoded.loss_mask.sum())} supervised {OPEN}marked{CLOSE}"
                   + (", truncated to data.max_length" if encoded.truncated else ""), file=out)
-            print(marked_text(tokenizer, encoded), file=out)
+            print(marked_text(chat.tokenizer, encoded), file=out)
     return shown
