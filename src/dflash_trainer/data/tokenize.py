@@ -46,7 +46,7 @@ from dflash_trainer.data.formats import (
     drop_leading_assistant,
 )
 from dflash_trainer.data.render import ChatRenderer, RenderFailure
-from dflash_trainer.data.turns import TurnText, plan_turns
+from dflash_trainer.data.turns import TurnPlan, TurnText, plan_turns
 from dflash_trainer.core.errors import TargetError
 
 _CHARS_PER_TOKEN = 6
@@ -181,77 +181,85 @@ class ChatTokenizer:
     def encode_batch(self, records: Sequence[Conversation | Tokenized]) -> list[Samples | Dropped]:
         """Encode records in order; the texts of all conversations are tokenized in one batched call.
 
-        Long texts are first tokenized only up to ``_CHARS_PER_TOKEN * max_length`` characters
-        (cut right before a template control token, so the ids are a prefix of the full text's);
-        the few whose cut text has too few tokens are tokenized again in full.
+        Long texts are first rendered and tokenized only up to ``_CHARS_PER_TOKEN * max_length``
+        characters (cut right before a template control token, so the ids are a prefix of the
+        full text's; turns whose context starts past the cut are not rendered); the few records
+        whose cut text has too few tokens are planned and tokenized again in full.
         """
+        budget = _CHARS_PER_TOKEN * self.options.max_length
         results: list[Samples | Dropped | None] = [None] * len(records)
-        planned: list[tuple[int, Any, list[dict[str, Any]], int]] = []
+        planned: list[tuple[int, TurnPlan, list[dict[str, Any]], int]] = []
         for i, record in enumerate(records):
             if isinstance(record, Tokenized):
                 results[i] = self._from_tokenized(record)
                 continue
-            renderer = self._require_template(record.location)
             messages, trimmed = trim_conversation(record.messages)
-            assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
-            if not assistant:
-                results[i] = Dropped("no_assistant", f"{record.location}: no assistant turn "
-                                     "after a user turn")
-                continue
-            answers = assistant[-1:] if self.options.last_turn_only else assistant
-            supervised = [k for k in answers if not is_empty_answer(messages[k])]
-            if not supervised:
-                which = "the last assistant answer (data.last_turn_only)" if self.options.last_turn_only \
-                    else "every assistant answer"
-                results[i] = Dropped("empty_answer", f"{record.location}: {which} is empty or whitespace "
-                                     "(it would teach the drafter to end the turn at once)")
-                continue
-            try:
-                plan = plan_turns(renderer, messages, getattr(record, "tools", None), supervised=supervised,
-                                  thinking=self.options.thinking,
-                                  truncated={k for k in supervised if messages[k].get(TRUNCATED)})
-            except RenderFailure as exc:
-                results[i] = Dropped(exc.reason, f"{record.location}: {exc}")
-                continue
-            planned.append((i, plan, messages, trimmed))
-        texts = [sample for _, plan, _, _ in planned for sample in plan.samples]
-        tokenized = iter(self._tokenize(texts))
+            plan = self._plan(record, messages, budget)
+            if isinstance(plan, Dropped):
+                results[i] = plan
+            else:
+                planned.append((i, plan, messages, trimmed))
+        encodings = self._encode_texts([s for _, plan, _, _ in planned for s in plan.samples], budget)
+        per_record, again, at = [], [], 0
         for i, plan, messages, trimmed in planned:
-            encoded, skipped, drops = [], 0, []
-            for sample in plan.samples:
-                ids, mask, was_cut = next(tokenized)
-                result = self._finish(ids, mask, records[i].location, was_cut, sample)
-                if result is None:
-                    skipped += 1
-                elif isinstance(result, Dropped):
-                    drops.append(result)
-                else:
-                    encoded.append(result)
-            if not encoded:
-                results[i] = drops[0] if drops else Dropped("too_long", f"{records[i].location}: the context of "
-                                                f"every turn is longer than data.max_length "
-                                                f"{self.options.max_length}")
-                continue
-            answers = assistant_answers(messages, self.options.last_turn_only)
-            results[i] = Samples(
-                encoded, trimmed_leading=trimmed,
-                cut_answers=sum(bool(m.get(TRUNCATED)) for m in messages),
-                empty_answers=sum(is_empty_answer(m) for m in answers),
-                reasoning_answers=plan.reasoning_answers, reasoning_unrendered=plan.reasoning_unrendered,
-                turns_skipped_long=skipped, turn_drops=drops,
-                expansion_tokens=sum(len(e.input_ids) for e in encoded if not e.whole),
-                messages=messages)
+            mine, at = encodings[at:at + len(plan.samples)], at + len(plan.samples)
+            if any(cut and len(ids) <= self.options.max_length for ids, _, cut in mine):
+                again.append((i, messages, trimmed))
+            else:
+                per_record.append((i, plan, messages, trimmed, mine))
+        for i, messages, trimmed in again:
+            plan = self._plan(records[i], messages, None)
+            assert isinstance(plan, TurnPlan)  # it planned with the cut, so it plans in full
+            per_record.append((i, plan, messages, trimmed, self._encode_texts(plan.samples, None)))
+        for i, plan, messages, trimmed, mine in per_record:
+            results[i] = self._samples(records[i].location, plan, messages, trimmed, mine)
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
-    def _tokenize(self, samples: list[TurnText]) -> list[tuple[np.ndarray, np.ndarray, bool]]:
-        """(ids, mask, text was cut) per sample text, tokenized in batches."""
-        budget = _CHARS_PER_TOKEN * self.options.max_length
-        out = self._encode_texts(samples, budget)
-        again = [j for j, (ids, _, was_cut) in enumerate(out) if was_cut and len(ids) <= self.options.max_length]
-        for j, result in zip(again, self._encode_texts([samples[j] for j in again], None)):
-            out[j] = result
-        return out
+    def _plan(self, record: Conversation, messages: list[dict[str, Any]],
+              max_chars: int | None) -> TurnPlan | Dropped:
+        """The texts of one conversation's samples (:func:`plan_turns`), or why it is dropped."""
+        renderer = self._require_template(record.location)
+        assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+        if not assistant:
+            return Dropped("no_assistant", f"{record.location}: no assistant turn after a user turn")
+        answers = assistant[-1:] if self.options.last_turn_only else assistant
+        supervised = [k for k in answers if not is_empty_answer(messages[k])]
+        if not supervised:
+            which = "the last assistant answer (data.last_turn_only)" if self.options.last_turn_only \
+                else "every assistant answer"
+            return Dropped("empty_answer", f"{record.location}: {which} is empty or whitespace "
+                           "(it would teach the drafter to end the turn at once)")
+        try:
+            return plan_turns(renderer, messages, getattr(record, "tools", None), supervised=supervised,
+                              thinking=self.options.thinking,
+                              truncated={k for k in supervised if messages[k].get(TRUNCATED)},
+                              cut_at=None if max_chars is None else lambda t: self._cut_point(t, max_chars))
+        except RenderFailure as exc:
+            return Dropped(exc.reason, f"{record.location}: {exc}")
+
+    def _samples(self, location: Location, plan: TurnPlan, messages: list[dict[str, Any]], trimmed: int,
+                 tokenized: list[tuple[np.ndarray, np.ndarray, bool]]) -> Samples | Dropped:
+        """One record's samples from its tokenized texts (or why none is kept)."""
+        encoded, skipped, drops = [], plan.beyond, []
+        for sample, (ids, mask, was_cut) in zip(plan.samples, tokenized):
+            result = self._finish(ids, mask, location, was_cut, sample)
+            if result is None:
+                skipped += 1
+            elif isinstance(result, Dropped):
+                drops.append(result)
+            else:
+                encoded.append(result)
+        if not encoded:
+            return drops[0] if drops else Dropped("too_long", f"{location}: the context of every turn is "
+                                                  f"longer than data.max_length {self.options.max_length}")
+        answers = assistant_answers(messages, self.options.last_turn_only)
+        return Samples(
+            encoded, trimmed_leading=trimmed, cut_answers=sum(bool(m.get(TRUNCATED)) for m in messages),
+            empty_answers=sum(is_empty_answer(m) for m in answers),
+            reasoning_answers=plan.reasoning_answers, reasoning_unrendered=plan.reasoning_unrendered,
+            turns_skipped_long=skipped, turn_drops=drops,
+            expansion_tokens=sum(len(e.input_ids) for e in encoded if not e.whole), messages=messages)
 
     def _encode_texts(self, samples: list[TurnText], max_chars: int | None
                       ) -> list[tuple[np.ndarray, np.ndarray, bool]]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,13 +61,18 @@ class TurnPlan:
     """Supervised answers carrying reasoning (a field or an inline think block)."""
     reasoning_unrendered: int = 0
     """Of those, answers whose reasoning the template leaves out of their supervised text."""
+    beyond: int = 0
+    """Turns not rendered: their context, a prefix of the whole render, starts past ``cut_at``."""
 
 
 def plan_turns(renderer: ChatRenderer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-               *, supervised: list[int], thinking: bool,
-               truncated: set[int] = frozenset()) -> TurnPlan:
+               *, supervised: list[int], thinking: bool, truncated: set[int] = frozenset(),
+               cut_at: Callable[[str], int] | None = None) -> TurnPlan:
     """The samples of a (trimmed) conversation whose assistant messages ``supervised`` are trained
-    on. ``truncated`` holds the assistant indices whose end of turn is not supervised. Raises
+    on. ``truncated`` holds the assistant indices whose end of turn is not supervised. With
+    ``cut_at`` (where a text is cut before tokenizing), a turn whose context is a prefix of the
+    whole render reaching past the cut is not rendered further (:attr:`TurnPlan.beyond`): the
+    whole sample is cut before it, and its own context is at least as long. Raises
     :class:`RenderFailure`."""
     plan = TurnPlan()
     prepared = renderer.engine_messages(messages, tools)
@@ -82,10 +88,14 @@ def plan_turns(renderer: ChatRenderer, messages: list[dict[str, Any]], tools: li
     whole = TurnText(full, [], [], True)
     own: list[TurnText] = []
     end = 0
+    cut = cut_at(full) if cut_at is not None else len(full)
     for k in supervised:
+        head = render(k, True, k)
+        if len(head) >= cut and full.startswith(head):
+            plan.beyond += 1
+            continue
         rendered = full if k == last else render(k + 1, False, k)
-        turn, start = _place(rendered, render(k, True, k), functools.partial(render, k, False, k), k,
-                             messages[k])
+        turn, start = _place(rendered, head, functools.partial(render, k, False, k), k, messages[k])
         stop = _content_stop(messages[k], turn, start) if k in truncated else len(turn)
         reasoning = reasoning_of(messages[k])
         plan.reasoning_unrendered += bool(reasoning) and reasoning not in turn[start:stop]
