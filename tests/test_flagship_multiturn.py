@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +21,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from benchmarks.chat_template_matrix import corpus, tokenizer_for
 from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.core.assets import load_tokenizer, resolve_target
-from helpers_e2e import WORDS, serving
+from helpers_e2e import WORDS, JsonHandler, serving
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN3 = "Qwen-Qwen3-0.6B"
@@ -70,22 +70,11 @@ class ReasoningServer(ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}/v1"
 
 
-class ReasoningHandler(BaseHTTPRequestHandler):
+class ReasoningHandler(JsonHandler):
     server: ReasoningServer
 
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def _reply(self, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
     def do_GET(self) -> None:
-        self._reply({"object": "list", "data": [{"id": "tiny-qwen3", "object": "model"}]})
+        self.reply({"object": "list", "data": [{"id": "tiny-qwen3", "object": "model"}]})
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -94,7 +83,7 @@ class ReasoningHandler(BaseHTTPRequestHandler):
         n = len(body["messages"])
         message = {"role": "assistant", "content": f"answer {n}: " + " ".join(WORDS[n:n + 8]),
                    "reasoning_content": f"thinking {n}: " + " ".join(WORDS[n + 2:n + 12])}
-        self._reply({"object": "chat.completion", "model": body["model"],
+        self.reply({"object": "chat.completion", "model": body["model"],
                      "choices": [{"index": 0, "finish_reason": "stop", "message": message}],
                      "usage": {"completion_tokens": 24}})
 
