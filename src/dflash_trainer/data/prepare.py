@@ -214,6 +214,7 @@ def build_dataset(cfg: Config, *, tokenizer: Any = None,
         _refuse_render_drops(cfg, stats)
         log(f"prepare: reusing the token store {path}")
         log(f"data: {stats.summary()}; dropped records listed in {path / DROPPED_FILE}")
+        log(sample_choice(stats))
         if len(store) == 0:
             raise DataError(f"the token store {path} has no samples ({stats.summary()}); "
                             "delete it and check data.paths")
