@@ -54,8 +54,9 @@ def make_target(folder: Path) -> Path:
     return folder
 
 
-def make_data(folder: Path, *, train: int, eval_prompts: int, max_chars: int) -> tuple[Path, Path, int]:
-    """(training JSONL, evaluation prompts JSONL, conversations scanned) from the embedded set:
+def make_data(folder: Path, *, train: int, eval_prompts: int, max_chars: int) -> tuple[Path, Path, int, int]:
+    """(training JSONL, evaluation prompts JSONL, training conversations, records scanned) from
+    the embedded set (fewer than ``train`` where the set has no more):
     conversations of at least two assistant turns and at most ``max_chars`` characters (so that
     the whole conversation fits ``data.max_length`` and last-turn-only keeps its last answer)."""
     (source,) = expand_paths(["sharegpt"])
@@ -74,7 +75,7 @@ def make_data(folder: Path, *, train: int, eval_prompts: int, max_chars: int) ->
         for i, messages in enumerate(multi[:eval_prompts])))
     data = folder / "train.jsonl"
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in multi[eval_prompts:]))
-    return data, prompts, scanned
+    return data, prompts, len(multi) - eval_prompts, scanned
 
 
 def _run(args: list[str], log: Path) -> float:
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     run_root.mkdir(parents=True, exist_ok=True)
     log, cache = run_root / "commands.log", run_root / "tokens"
     target = make_target(run_root / "target")
-    data, prompts, scanned = make_data(run_root, train=args.train, eval_prompts=args.eval_prompts,
+    data, prompts, conversations, scanned = make_data(run_root, train=args.train, eval_prompts=args.eval_prompts,
                                        max_chars=args.max_chars)
     common = ["--config", str(ROOT / "configs/demo-cpu.yaml"), f"model.target={target}",
               f"data.paths=[{data}]", "data.heldout_samples=0", f"data.cache_dir={cache}",
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     per_turn, last = rows
     result = {
         "target": "SmolLM2-135M-Instruct with the Qwen3 chat template (llama.cpp corpus, " + QWEN3 + ")",
-        "data": f"embedded ShareGPT: {args.train} conversations with >= 2 assistant turns and <= "
+        "data": f"embedded ShareGPT: {conversations} conversations with >= 2 assistant turns and <= "
                 f"{args.max_chars} characters (of the first {scanned} records), {args.eval_prompts} more "
                 "held out as prompts (<= 3 user turns)",
         "recipe": f"configs/demo-cpu.yaml, data.max_length={args.max_length}, float32, same steps and seed per arm",
