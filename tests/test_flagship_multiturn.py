@@ -120,8 +120,10 @@ def test_qwen3_multi_turn_reasoning_data_prepare_features_train_eval(tmp_path: P
     # What is trained, before any store is written: per-turn samples named, reasoning marked
     assert cli_main(["prepare", *config, *overrides, "--show", "4"]) == 0
     shown = capsys.readouterr().out
-    assert "assistant turn 1 of 3, its own sample (history repeated as context)" in shown
-    assert "assistant turn 3 of 3, the whole conversation" in shown and "no token store was written" in shown
+    # (the served file's order depends on which request finished first)
+    assert re.search(r"assistant turn 1 of [23], its own sample \(history repeated as context\)", shown)
+    assert re.search(r"assistant turn ([23]) of \1, the whole conversation", shown)
+    assert "no token store was written" in shown
     # turn 1 as it was served: its reasoning supervised (history renders it without)
     assert "<|im_start|>assistant\n⟦<think>\nthinking 1: " in shown
     assert not cache.exists() or not any(cache.iterdir())
