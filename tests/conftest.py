@@ -5,8 +5,9 @@ The dtype probe (``model/dtypes.py``, ``dtype-probe.json``) and the demo's durat
 cache (:func:`dflash_trainer.core.assets.cache_root`), and the next ``make demo`` trusts them: a
 measurement taken under a test run's load would mislead it. So the session points
 ``DFLASH_CACHE``, which every subprocess and torchrun rank inherits, at a folder of its own. The
-caches that hold no measurement (token stores, targets converted from GGUF, the content-hash
-memo) are links to the user's there, so they stay warm across runs as before.
+caches that hold no measurement (token stores, targets converted from GGUF, the chat templates
+of the pinned llama.cpp sdist, the content-hash memo) are links to the user's there, so they
+stay warm across runs as before.
 
 Every Python process of the session also runs ``tests/session_guard/sitecustomize.py`` (first on
 ``PYTHONPATH``): an audit hook that records any write into the user's measurement files with the
@@ -34,7 +35,7 @@ MEASUREMENT_CACHES = ("dtype-probe.json", "demo-durations.json")
 """Files of the user cache that record measurements of this machine."""
 GUARD = Path(__file__).with_name("session_guard")
 """The ``sitecustomize`` folder that every process of the session loads (the write recorder)."""
-SHARED_FOLDERS = ("tokens", "targets")
+SHARED_FOLDERS = ("tokens", "targets", "chat-templates")
 """Folders of the user cache that the session shares (made when missing, as a run would)."""
 SHARED_FILES = ("sha256-memo.json",)
 """Files of the user cache that the session reads when they exist (a write replaces the link)."""

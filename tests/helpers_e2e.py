@@ -94,12 +94,16 @@ class JsonHandler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
-    def _send(self, body: bytes) -> None:
-        self.send_response(200)
+    def _send(self, body: bytes, status: int = 200) -> None:
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
+
+    def reply(self, body: Any, status: int = 200) -> None:
+        """Send ``body`` as a JSON response."""
+        self._send(json.dumps(body).encode(), status)
 
 
 def load_with_transformers_alone(folder: Path, inputs: dict[str, torch.Tensor],

@@ -59,12 +59,12 @@ def test_build_counts_every_drop_reason_and_stores_the_samples(tmp_path, data, s
     store, stats = build_dataset(cfg, tokenizer=smol, log=None)
     assert stats.heldout == 2 and stats.records_read == 8
     assert stats.dropped == {"malformed": 1, "empty": 1, "no_assistant": 1, "empty_answer": 0,
-                             "too_short": 1, "too_long": 1}
+                             "too_short": 1, "too_long": 1, "unrenderable": 0, "tools_unsupported": 0}
     assert stats.kept == len(store) == 3
     assert "chats.jsonl:8 (record 7): invalid JSON" in stats.examples["malformed"][0]
     chat = ChatTokenizer(smol, TokenizeOptions.from_config(cfg))
     for i, question in enumerate(["q0", "q3", "q4"]):
-        expected = chat.encode(Conversation(_chat(question, LONG)["messages"], Location("x", 0)))
+        (expected,) = chat.encode(Conversation(_chat(question, LONG)["messages"], Location("x", 0))).encoded
         ids, mask = store[i]
         assert ids.tolist() == expected.input_ids.tolist()
         assert mask.tolist() == expected.loss_mask.tolist()
@@ -220,3 +220,68 @@ def test_prepare_reports_the_fields_it_dropped(tmp_path, smol):
     assert f"{path}: 3 records read; fields dropped: loss 1, weight 1" in report
     assert "fields dropped                2   (no chat template renders them: loss 1, weight 1)" in report
     assert json.loads((store.path / "meta.json").read_text())["stats"]["dropped_fields"] == {"weight": 1, "loss": 1}
+
+
+def _turns(*answers: str) -> dict:
+    return {"messages": [m for i, a in enumerate(answers) for m in (
+        {"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": a})]}
+
+
+def test_multi_turn_under_a_qwen3_template_gives_per_turn_samples_and_reports_them(tmp_path, smol, capsys):
+    from benchmarks.chat_template_matrix import corpus
+
+    qwen3 = copy.deepcopy(smol)
+    qwen3.chat_template = next(p for p in corpus() if p.stem == "Qwen-Qwen3-0.6B").read_text()
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [
+        _turns(LONG, "<think>\nfirst I think\n</think>\n\n" + LONG, LONG),  # 3 turns, one reasoning
+        _chat("single", LONG)]))
+    cfg = load_config(None, [f"data.paths=[{path}]", f"data.cache_dir={tmp_path / 'cache'}",
+                             "data.heldout_samples=0"])
+    store, stats = build_dataset(cfg, tokenizer=qwen3, log=print)
+    # the 3-turn chat: its whole render supervises turn 3, turns 1 and 2 get their own samples
+    assert (stats.kept, stats.samples, len(store), stats.expanded, stats.turn_samples) == (2, 4, 4, 1, 2)
+    assert stats.reasoning_answers == 1 and stats.reasoning_unrendered == 0
+    assert stats.expansion_tokens == int(store.lengths[1:3].sum())
+    out = capsys.readouterr().out
+    assert "1 conversations as one sample each" in out and "1 expanded into 2 per-turn samples" in out
+    report = format_report(stats, store, cfg.data.max_length)
+    assert "kept                          2   (4 samples)" in report
+    assert "reasoning: 1 supervised answers carried reasoning" in report
+    # the reasoning turn's own sample supervises its think block
+    ids, mask = store[2]
+    assert smol.decode(ids[mask.astype(bool)].tolist()).startswith("<think>\nfirst I think\n</think>")
+    # last_turn_only: one sample per conversation
+    _, last = build_dataset(load_config(None, [f"data.paths=[{path}]", f"data.cache_dir={tmp_path / 'cache'}",
+                                               "data.heldout_samples=0", "data.last_turn_only=true"]),
+                            tokenizer=qwen3, log=None)
+    assert (last.kept, last.samples, last.expanded) == (2, 2, 0)
+    assert last.supervised_tokens < stats.supervised_tokens
+
+
+def test_a_record_the_template_cannot_render_is_dropped_unless_on_error_is_raise(tmp_path, smol):
+    picky = copy.deepcopy(smol)
+    picky.chat_template = ("{%- for m in messages %}{%- if 'BOOM' in m.content %}"
+                           "{{- raise_exception('no BOOM here') }}{%- endif %}{%- endfor %}" + smol.chat_template)
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [_chat("q0", LONG), _chat("BOOM", LONG)]))
+    args = [f"data.paths=[{path}]", f"data.cache_dir={tmp_path / 'cache'}", "data.heldout_samples=0"]
+    store, stats = build_dataset(load_config(None, args), tokenizer=picky, log=None)
+    assert len(store) == 1 and stats.dropped["unrenderable"] == 1
+    assert f"{path}:2 (record 1): the chat template of" in stats.examples["unrenderable"][0]
+    assert "no BOOM here" in stats.examples["unrenderable"][0]
+    with pytest.raises(DataError, match=r"chats\.jsonl:2 \(record 1\): .*no BOOM here.*data\.on_error=skip"):
+        build_dataset(load_config(None, [*args, "data.on_error=raise"]), tokenizer=picky, log=None)
+
+
+def test_cli_prepare_show_prints_samples_without_writing_a_store(tmp_path, capsys):
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [_turns("Hello there", "Ciao"), _chat("q", "")]))
+    args = ["prepare", "--data", str(path), f"data.cache_dir={tmp_path / 'cache'}", "data.heldout_samples=0"]
+    assert cli_main([*args, "--show", "5"]) == 0
+    out = capsys.readouterr().out
+    assert f"--- sample 1: {path}:1 (record 0), assistant turns 1, 2 of 2, the whole conversation" in out
+    assert "<|im_start|>assistant\n⟦Hello there<|im_end|>\n⟧<|im_start|>user" in out
+    assert f"--- {path}:2 (record 1): dropped (empty_answer)" in out
+    assert "1 samples shown" in out and not (tmp_path / "cache").exists()
+    assert cli_main([*args, "--show", "0"]) == 2

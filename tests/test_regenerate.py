@@ -28,7 +28,7 @@ from dflash_trainer.data.regenerate import (
     recover_output,
     regenerate,
 )
-from helpers_e2e import serving
+from helpers_e2e import JsonHandler, serving
 
 MAX_NEW = 6
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, top_p=1.0, top_k=0)
@@ -285,36 +285,25 @@ class ChatServer(ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
 
-class ChatHandler(BaseHTTPRequestHandler):
+class ChatHandler(JsonHandler):
     server: ChatServer
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-    def _reply(self, status: int, body: dict[str, Any]) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
     def do_GET(self) -> None:
         if self.path == "/v1/models":
-            self._reply(200, {"object": "list", "data": [{"id": "smollm2", "object": "model"}]})
+            self.reply(status=200, body={"object": "list", "data": [{"id": "smollm2", "object": "model"}]})
         else:
-            self._reply(404, {"error": "not found"})
+            self.reply(status=404, body={"error": "not found"})
 
     def do_POST(self) -> None:
         if self.path != "/v1/chat/completions":
-            self._reply(404, {"error": "not found"})
+            self.reply(status=404, body={"error": "not found"})
             return
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         srv = self.server
         with srv.lock:
             if srv.fail_next > 0:
                 srv.fail_next -= 1
-                self._reply(503, {"error": "overloaded"})
+                self.reply(status=503, body={"error": "overloaded"})
                 return
             srv.requests.append(body)
         tok = srv.tokenizer
@@ -324,7 +313,7 @@ class ChatHandler(BaseHTTPRequestHandler):
         ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         max_tokens = body["max_tokens"]
         if ids.shape[1] + max_tokens > srv.model.config.max_position_embeddings:
-            self._reply(400, {"error": {"message": "prompt too long for the context"}})
+            self.reply(status=400, body={"error": {"message": "prompt too long for the context"}})
             return
         # Omitted sampling fields fall back to the model's generation config, as vLLM does.
         gc = resolve_sampling(srv.generation_config, max_new_tokens=max_tokens,
@@ -339,7 +328,7 @@ class ChatHandler(BaseHTTPRequestHandler):
         new = out[0, ids.shape[1]:].tolist()
         stopped = tok.eos_token_id in new
         answer = new[:new.index(tok.eos_token_id)] if stopped else new
-        self._reply(200, {
+        self.reply(status=200, body={
             "object": "chat.completion", "model": body["model"],
             "choices": [{"index": 0, "finish_reason": "stop" if stopped else "length",
                          "message": {"role": "assistant",

@@ -205,9 +205,11 @@ class DataConfig:
     """Malformed records: ``raise`` stops at the first, ``skip`` counts them. ``auto`` is
     ``raise`` for user data and ``skip`` for the embedded data set (its file is truncated)."""
     thinking: bool = False
-    """Render with thinking enabled, for templates that have it (Qwen3 style)."""
+    """Render answers without reasoning with thinking enabled, for templates that have it (Qwen3
+    style); an answer that carries reasoning is always rendered with it."""
     last_turn_only: bool = False
-    """Supervise only the last assistant turn."""
+    """Supervise only the last assistant turn: one sample per conversation, also where the
+    template would need one per turn."""
     max_samples: int | None = ranged(None, ge=1, le=COUNT_MAX, none="for every record")
     """Read at most this many records (after skipping ``heldout_samples``)."""
     heldout_samples: int = ranged(64, ge=0, le=COUNT_MAX)

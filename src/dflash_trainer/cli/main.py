@@ -59,6 +59,10 @@ COMMANDS: dict[str, Command] = {
         handler="dflash_trainer.data.prepare:main",
         help="Tokenize the chat data into the memory-mapped cache and print statistics.",
         flags={"--target": "model.target", "--data": "data.paths"},
+        extra=[("--show", {"type": int, "default": None, "metavar": "N",
+                           "help": "print the first N training samples, supervised tokens marked and "
+                                   "per-turn samples named, from the token store's code path; write no store",
+                           "range": Range(ge=1, le=COUNT_MAX)})],
     ),
     "features": Command(
         handler="dflash_trainer.features.build:main",

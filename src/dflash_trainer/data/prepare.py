@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -56,20 +57,26 @@ from dflash_trainer.data.formats import (
     on_error_policy,
     read_source,
 )
+from dflash_trainer.data.show import show_samples
 from dflash_trainer.data.tokenize import (
     RULES_VERSION,
     ChatTokenizer,
     Dropped,
-    Encoded,
+    Samples,
     TokenizeOptions,
 )
 from dflash_trainer.core.errors import ConfigError
 from dflash_trainer.core.fsutil import atomic_write_text, remove_stale_temp_dirs
 
-DROP_REASONS = ("malformed", "empty", "no_assistant", "empty_answer", "too_short", "too_long")
+DROP_REASONS = ("malformed", "empty", "no_assistant", "empty_answer", "too_short", "too_long",
+                "unrenderable", "tools_unsupported")
 _DROP_LABELS = {"malformed": "malformed", "empty": "empty conversation",
                 "no_assistant": "no assistant turn", "empty_answer": "empty answers",
-                "too_short": "too short (supervised)", "too_long": "too long"}
+                "too_short": "too short (supervised)", "too_long": "too long",
+                "unrenderable": "template cannot render", "tools_unsupported": "tools unsupported"}
+RENDER_REASONS = ("unrenderable", "tools_unsupported")
+"""Drops that stop ``prepare`` only with an explicit ``data.on_error=raise``."""
+_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _BATCH = 256
 _EXAMPLES_PER_REASON = 3
 _PROGRESS_EVERY_S = 5.0
@@ -89,6 +96,24 @@ class PrepareStats:
     """Records read for training (after the held-out ones, up to ``max_samples``)."""
     heldout: int = 0
     kept: int = 0
+    """Records that gave at least one sample."""
+    samples: int = 0
+    """Samples written: one per kept record, plus the per-turn samples of expanded ones."""
+    expanded: int = 0
+    """Kept conversations some of whose turns became samples of their own (the template renders
+    them differently as history)."""
+    turn_samples: int = 0
+    """Per-turn samples (each repeats its conversation's history as context)."""
+    expansion_tokens: int = 0
+    """Tokens of the per-turn samples: the cost of the expansion."""
+    turns_skipped_long: int = 0
+    """Per-turn samples left out because their context alone is longer than ``data.max_length``."""
+    turn_drops: dict[str, int] = field(default_factory=dict)
+    """Per-turn samples dropped by reason (too short, too long) in conversations kept otherwise."""
+    reasoning_answers: int = 0
+    """Supervised answers that carried reasoning (a reasoning field or an inline think block)."""
+    reasoning_unrendered: int = 0
+    """Of those, answers whose reasoning the chat template does not render (trained without it)."""
     dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
     examples: dict[str, list[str]] = field(default_factory=dict)
     """The first few messages of each drop reason, with file and line."""
@@ -134,7 +159,9 @@ class PrepareStats:
         reasons = ", ".join(f"{_DROP_LABELS[r]} {n:,}" for r, n in self.dropped.items() if n)
         dropped = sum(self.dropped.values())
         return (f"{self.records_read:,} records read (+{self.heldout:,} held out), "
-                f"{self.kept:,} kept, {dropped:,} dropped" + (f" ({reasons})" if reasons else "")
+                f"{self.kept:,} kept" + (f" ({self.samples:,} samples)" if self.samples > self.kept else "")
+                + f", {dropped:,} dropped"
+                + (f" ({reasons})" if reasons else "")
                 + f", {self.truncated:,} truncated to data.max_length"
                 + (f", {self.empty_answers:,} empty answers unsupervised" if self.empty_answers else "")
                 + (f", fields dropped: {format_counts(self.dropped_fields)}" if self.dropped_fields else ""))
@@ -184,21 +211,28 @@ def build_dataset(cfg: Config, *, tokenizer: Any = None,
         "heldout_samples": cfg.data.heldout_samples,
         "max_samples": cfg.data.max_samples,
     }
+    if _GENERATION_TAG.search(str(getattr(tokenizer, "chat_template", None) or "")):
+        # Stores of such templates were built from their {% generation %} spans before per-turn
+        # samples; the spans now come from engine renders, so those stores are rebuilt. The key
+        # of every other store is unchanged (see tokenize.RULES_VERSION).
+        key_parts["spans"] = "engine renders"
     path = cache_dir(cfg) / fingerprint(key_parts)
     remove_stale_temp_dirs(path.parent)  # stores whose build was killed
     store = find_store(path)
     if store is not None:
         stats = PrepareStats.from_dict(store.stats)
         stats.reused, stats.cache_path = True, str(path)
+        _refuse_render_drops(cfg, stats)
         log(f"prepare: reusing the token store {path}")
         log(f"data: {stats.summary()}; dropped records listed in {path / DROPPED_FILE}")
+        log(sample_choice(stats))
         if len(store) == 0:
             raise DataError(f"the token store {path} has no samples ({stats.summary()}); "
                             "delete it and check data.paths")
         return store, stats
 
     chat = ChatTokenizer(tokenizer, options)
-    stats = PrepareStats(template_mode=chat.mode)
+    stats = PrepareStats(template_mode="engine renders")
     if options.thinking and not chat.supports_thinking:
         stats.notes.append("data.thinking=true has no effect: the chat template does not read "
                            "enable_thinking")
@@ -217,6 +251,7 @@ def build_dataset(cfg: Config, *, tokenizer: Any = None,
         stats = PrepareStats.from_dict(store.stats)
         stats.reused, stats.cache_path = True, str(path)
     log(f"data: {stats.summary()}; dropped records listed in {path / DROPPED_FILE}")
+    log(sample_choice(stats))
     return store, stats
 
 
@@ -252,7 +287,7 @@ def check_context_length(cfg: Config, target: Path) -> None:
                           f"max_position_embeddings); set data.max_length <= {context}")
 
 
-def _split(cfg: Config, sources: list[Source], source_stats: list[SourceStats]
+def split_records(cfg: Config, sources: list[Source], source_stats: list[SourceStats]
            ) -> Iterator[tuple[bool, Source, Record]]:
     """(held_out, source, record) for every record, the first ``heldout_samples`` records of
     the first ``data.paths`` entry marked held out; malformed records raise under ``raise``."""
@@ -284,27 +319,25 @@ def _tokenize_into(writer: TokenStoreWriter, cfg: Config, sources: list[Source],
     def flush() -> None:
         for (_record, source), result in zip(batch, chat.encode_batch([r for r, _ in batch])):
             if isinstance(result, Dropped):
-                if (result.reason == "malformed"
-                        and on_error_policy(cfg.data.on_error, source) == "raise"):
+                if ((result.reason == "malformed" and on_error_policy(cfg.data.on_error, source) == "raise")
+                        or (result.reason in RENDER_REASONS and cfg.data.on_error == "raise")):
                     raise DataError(f"{result.message} (with data.on_error=skip such records "
                                     "are skipped and counted instead)")
                 drop(result.reason, result.message)
                 continue
-            assert isinstance(result, Encoded)
-            writer.add(result.input_ids, result.loss_mask)
+            assert isinstance(result, Samples)
+            add_samples(stats, result)
+            for encoded in result.encoded:
+                writer.add(encoded.input_ids, encoded.loss_mask)
+            for turn_drop in result.turn_drops:
+                dropped_file.write(json.dumps({"reason": turn_drop.reason, "turn": True,
+                                               "message": turn_drop.message}) + "\n")
             kept_per_file[str(source.path)] = kept_per_file.get(str(source.path), 0) + 1
-            stats.kept += 1
-            stats.total_tokens += len(result.input_ids)
-            stats.supervised_tokens += int(result.loss_mask.sum())
-            stats.truncated += int(result.truncated)
-            stats.trimmed_leading += int(result.trimmed_leading > 0)
-            stats.cut_answers += result.cut_answers
-            stats.empty_answers += result.empty_answers
         batch.clear()
 
     limit = cfg.data.max_samples
     try:
-        for held, source, record in _split(cfg, sources, source_stats):
+        for held, source, record in split_records(cfg, sources, source_stats):
             if held:
                 stats.heldout += 1
                 continue
@@ -339,6 +372,71 @@ def _tokenize_into(writer: TokenStoreWriter, cfg: Config, sources: list[Source],
     _check_nothing_lost(read_per_file, kept_per_file, stats)
 
 
+def _refuse_render_drops(cfg: Config, stats: PrepareStats) -> None:
+    """Under an explicit ``data.on_error=raise``, a reused store that dropped records the template
+    cannot render is refused as a fresh build would stop (the store key does not tell ``raise``
+    from ``auto``, under which such records are dropped)."""
+    if cfg.data.on_error != "raise":
+        return
+    for reason in RENDER_REASONS:
+        if stats.dropped.get(reason):
+            example = (stats.examples.get(reason) or [reason])[0]
+            raise DataError(f"{example} (with data.on_error=skip such records are skipped and counted "
+                            "instead)")
+
+
+def add_samples(stats: PrepareStats, result: Samples) -> None:
+    """Count one kept record's samples into ``stats``."""
+    stats.kept += 1
+    stats.samples += len(result.encoded)
+    own = sum(not e.whole for e in result.encoded)
+    stats.expanded += own > 0
+    stats.turn_samples += own
+    stats.expansion_tokens += result.expansion_tokens
+    stats.turns_skipped_long += result.turns_skipped_long
+    for turn_drop in result.turn_drops:
+        stats.turn_drops[turn_drop.reason] = stats.turn_drops.get(turn_drop.reason, 0) + 1
+    stats.reasoning_answers += result.reasoning_answers
+    stats.reasoning_unrendered += result.reasoning_unrendered
+    stats.trimmed_leading += int(result.trimmed_leading > 0)
+    stats.cut_answers += result.cut_answers
+    stats.empty_answers += result.empty_answers
+    for encoded in result.encoded:
+        stats.total_tokens += len(encoded.input_ids)
+        stats.supervised_tokens += int(encoded.loss_mask.sum())
+        stats.truncated += int(encoded.truncated)
+
+
+def sample_choice(stats: PrepareStats) -> str:
+    """One line: one sample per conversation or per turn, why, and what the expansion cost."""
+    whole = stats.kept - stats.expanded
+    line = (f"samples: {whole:,} conversations as one sample each (the template renders their history "
+            "as a prefix of the whole chat)")
+    if stats.expanded:
+        share = 100 * stats.expansion_tokens / stats.total_tokens if stats.total_tokens else 0.0
+        line += (f"; {stats.expanded:,} expanded into {stats.turn_samples:,} per-turn samples (the "
+                 "template renders an earlier turn differently as history, e.g. without its <think> "
+                 f"block), +{stats.expansion_tokens:,} tokens ({share:.1f}% of all) of repeated history")
+    if stats.turns_skipped_long:
+        line += (f"; {stats.turns_skipped_long:,} turns skipped: their context alone is longer than "
+                 "data.max_length")
+    if stats.turn_drops:
+        line += "; per-turn samples dropped: " + ", ".join(
+            f"{_DROP_LABELS[r]} {n:,}" for r, n in sorted(stats.turn_drops.items()))
+    return line
+
+
+def reasoning_line(stats: PrepareStats) -> str | None:
+    """One line on the answers that carried reasoning (None when none did)."""
+    if not stats.reasoning_answers:
+        return None
+    line = f"reasoning: {stats.reasoning_answers:,} supervised answers carried reasoning"
+    if stats.reasoning_unrendered:
+        line += (f", {stats.reasoning_unrendered:,} of them trained without it (the chat template does "
+                 "not render their reasoning)")
+    return line + " (rendered with enable_thinking on, whatever data.thinking says)"
+
+
 def _check_heldout_share(cfg: Config, sources: list[Source], source_stats: list[SourceStats],
                          stats: PrepareStats) -> None:
     first = [s for src, s in zip(sources, source_stats) if src.origin == sources[0].origin]
@@ -370,7 +468,7 @@ def heldout_conversations(cfg: Config) -> list[list[dict[str, str]]]:
     records of the first ``data.paths`` entry, without assistant messages before the first user
     message. Malformed, empty, pre-tokenized and user-less records give none."""
     conversations = []
-    for held, _, record in _split(cfg, expand_paths(cfg.data.paths), []):
+    for held, _, record in split_records(cfg, expand_paths(cfg.data.paths), []):
         if not held:
             break
         if not isinstance(record, Conversation):
@@ -416,7 +514,8 @@ def format_report(stats: PrepareStats, store: TokenStore, max_length: int) -> st
     lines += [
         f"records read         {stats.records_read:>10,}"
         + (f"   (+{stats.heldout} held out for evaluation)" if stats.heldout else ""),
-        f"kept                 {stats.kept:>10,}",
+        f"kept                 {stats.kept:>10,}" + (f"   ({stats.samples:,} samples)"
+                                                     if stats.samples > stats.kept else ""),
         f"dropped              {dropped:>10,}",
     ]
     for reason in DROP_REASONS:
@@ -434,8 +533,8 @@ def format_report(stats: PrepareStats, store: TokenStore, max_length: int) -> st
         f"supervised tokens    {stats.supervised_tokens:>10,}"
         + (f"   ({100 * stats.supervised_tokens / stats.total_tokens:.1f}%)"
            if stats.total_tokens else ""),
-        "assistant spans from " + ("the template's {% generation %} markers"
-                                   if stats.template_mode == "generation" else "prefix renders"),
+        sample_choice(stats),
+        *([line] if (line := reasoning_line(stats)) else []),
     ]
     for reason, examples in stats.examples.items():
         for example in examples:
@@ -454,7 +553,14 @@ def format_report(stats: PrepareStats, store: TokenStore, max_length: int) -> st
 
 
 def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
-    """The ``prepare`` command: build (or reuse) the token store and print its statistics."""
+    """The ``prepare`` command: build (or reuse) the token store and print its statistics; with
+    ``--show N``, print the first N samples with their supervised tokens marked instead."""
+    if args is not None and getattr(args, "show", None):
+        chat = ChatTokenizer(load_tokenizer(resolve_target(cfg.model.target)), TokenizeOptions.from_config(cfg))
+        records = (r for held, _, r in split_records(cfg, expand_paths(cfg.data.paths), []) if not held)
+        shown = show_samples(records, chat, args.show, sys.stdout)
+        print(f"{shown} samples shown (supervised text between ⟦ and ⟧); no token store was written")
+        return 0
     started = time.monotonic()
     store, stats = build_dataset(cfg, log=lambda m: print(m, flush=True))
     print(format_report(stats, store, cfg.data.max_length))

@@ -1,23 +1,14 @@
 """Conversations to token ids plus an assistant-only loss mask, with the target's chat template.
 
-The supervised text of an assistant turn is everything the template emits for that turn after
-its assistant header, up to where the next turn starts. For ChatML (SmolLM2, Qwen) that is
-``content<|im_end|>\\n``: the end-of-turn token is supervised (the drafter must learn to end a
-turn) and so is the newline the template writes after it, since the template emits it as part of
-the turn; the header ``<|im_start|>assistant\\n`` is not. A token counts as supervised when its
-characters overlap a supervised span (the rule of transformers' ``return_assistant_tokens_mask``).
-
-The spans come from the template itself:
-
-- templates with ``{% generation %}`` markers: the marked blocks;
-- otherwise prefix renders: for assistant turn ``k``,
-  ``render(messages[:k], add_generation_prompt)`` is the text up to the end of the header and
-  ``render(messages[:k+1])`` the text up to the end
-  of the turn. Every such prefix must be a prefix of the full rendering (so the pieces
-  concatenate to it); when a template renders history differently from the generation prompt
-  (Qwen3 drops earlier ``<think>`` blocks), this fails and the conversation is refused with a
-  :class:`TemplateError` rather than trained on a wrong mask. ``data.last_turn_only`` needs only
-  the last turn's prefix, which such templates do satisfy.
+A conversation becomes one sample, or one per assistant turn where the template needs it
+(:mod:`dflash_trainer.data.turns`), rendered as an engine renders it for the target
+(:mod:`dflash_trainer.data.render`). The supervised text of an assistant turn is everything the
+template emits for that turn after its context ``render(messages[:k], add_generation_prompt)``:
+for ChatML (SmolLM2, Qwen) that is ``content<|im_end|>\\n``: the end-of-turn token is supervised
+(the drafter must learn to end a turn) and so is the newline the template writes after it, since
+the template emits it as part of the turn; the header ``<|im_start|>assistant\\n`` is not. A
+token counts as supervised when its characters overlap a supervised span (the rule of
+transformers' ``return_assistant_tokens_mask``).
 
 An assistant message marked ``"truncated": true`` (an answer cut before the model ended its turn,
 as ``regenerate`` marks answers that hit ``--max-new-tokens``) is supervised only up to the end
@@ -27,17 +18,21 @@ Before rendering, assistant messages before the first user message are removed (
 prompt they answer; counted as ``trimmed_leading``) and messages after the last assistant turn
 are dropped (they carry no supervision).
 
-An empty or whitespace-only assistant answer would teach the drafter to end the turn at once
-(``regenerate`` fails such answers too). A conversation whose every supervised answer is empty
-is dropped (``empty_answer``); one where only some are empty keeps them as context but leaves
-them unsupervised, end-of-turn tokens included (counted as ``empty_answers``).
+An empty or whitespace-only assistant answer (no tool call either) would teach the drafter to end
+the turn at once (``regenerate`` fails such answers too). A conversation whose every supervised
+answer is empty is dropped (``empty_answer``); one where only some are empty keeps them as context
+but leaves them unsupervised, end-of-turn tokens included (counted as ``empty_answers``).
+
+A per-turn sample longer than ``data.max_length`` whose context alone fills it is left out
+(``turns_skipped_long``), not the conversation: a later turn can fit again when the template
+strips history reasoning. A record that the template cannot render is dropped with its reason
+(``unrenderable``, ``tools_unsupported``, ``malformed``).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -50,20 +45,24 @@ from dflash_trainer.data.formats import (
     Tokenized,
     drop_leading_assistant,
 )
+from dflash_trainer.data.render import ChatRenderer, RenderFailure
+from dflash_trainer.data.turns import TurnPlan, TurnText, plan_turns
 from dflash_trainer.core.errors import TargetError
 
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _CHARS_PER_TOKEN = 6
 """Character budget per token when rendering long conversations (English averages ~4)."""
 
-DropReason = Literal["malformed", "no_assistant", "empty_answer", "too_short", "too_long"]
+DropReason = Literal["malformed", "no_assistant", "empty_answer", "too_short", "too_long",
+                     "unrenderable", "tools_unsupported"]
 RULES_VERSION = 2
 """Changes when the same conversation, tokenizer and options give other samples (2: empty
-answers dropped or unsupervised); part of the token store's key, so older stores are rebuilt."""
+answers dropped or unsupervised); part of the token store's key, so older stores are rebuilt.
+Per-turn samples did not change it: every conversation that rules 2 turned into a sample (its
+history a prefix of the whole render) still gives that same sample, and the others were refused."""
 
 
 class TemplateError(DataError):
-    """The chat template cannot give a verified assistant mask (or there is none)."""
+    """The tokenizer has no chat template (or is not a fast tokenizer)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -91,17 +90,40 @@ class Encoded:
     input_ids: np.ndarray
     loss_mask: np.ndarray
     truncated: bool = False
+    turns: tuple[int, ...] = ()
+    """Message indices (in the trimmed conversation) of the assistant turns it supervises."""
+    whole: bool = True
+    """The whole conversation (False: one turn's own sample, its context repeating the history)."""
+
+
+@dataclass(frozen=True)
+class Samples:
+    """What one record became: its samples and what rendering it found."""
+
+    encoded: list[Encoded]
     trimmed_leading: int = 0
     """Assistant messages removed before the first user message."""
     cut_answers: int = 0
     """Assistant messages marked ``truncated`` (their end of turn is not supervised)."""
     empty_answers: int = 0
     """Empty or whitespace-only assistant answers left unsupervised."""
+    reasoning_answers: int = 0
+    """Supervised answers carrying reasoning."""
+    reasoning_unrendered: int = 0
+    """Answers whose reasoning the template does not render (kept without it)."""
+    turns_skipped_long: int = 0
+    """Per-turn samples left out because their context alone fills ``data.max_length``."""
+    turn_drops: list[Dropped] = field(default_factory=list)
+    """Per-turn samples dropped (too short, too long with ``on_too_long=drop``) beside kept ones."""
+    expansion_tokens: int = 0
+    """Tokens of the per-turn samples (their contexts repeat the history)."""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """The trimmed conversation (``Encoded.turns`` index it)."""
 
 
 @dataclass(frozen=True)
 class Dropped:
-    """A sample left out of training, with the reason counted in the statistics."""
+    """A record left out of training, with the reason counted in the statistics."""
 
     reason: DropReason
     message: str
@@ -110,7 +132,7 @@ class Dropped:
 class ChatTokenizer:
     """Encodes conversations with one tokenizer's chat template under fixed options."""
 
-    def __init__(self, tokenizer: Any, options: TokenizeOptions) -> None:
+    def __init__(self, tokenizer: Any, options: TokenizeOptions, *, template_name: str | None = None) -> None:
         if not getattr(tokenizer, "is_fast", False):
             raise TemplateError(f"tokenizer {type(tokenizer).__name__} is not a fast (Rust) "
                                 "tokenizer; character offsets are needed for the loss mask")
@@ -120,6 +142,8 @@ class ChatTokenizer:
             self.template: str | None = tokenizer.get_chat_template()
         except ValueError:
             self.template = None
+        self.name = template_name or getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+        self.renderer = ChatRenderer(tokenizer, self.template, name=self.name) if self.template else None
         self.vocab_size = len(tokenizer)
         # A private copy of the Rust tokenizer: no truncation/padding state shared with callers,
         # and no conversion of every encoding to Python lists.
@@ -135,115 +159,18 @@ class ChatTokenizer:
                               if not t.lstrip and t.content.strip() and t.content in literal]
 
     @property
-    def mode(self) -> Literal["generation", "prefix", "none"]:
-        """How assistant spans are found: template markers, prefix renders, or no template."""
-        if self.template is None:
-            return "none"
-        return "generation" if _GENERATION_TAG.search(self.template) else "prefix"
-
-    @property
     def supports_thinking(self) -> bool:
         """Whether the template reads ``enable_thinking`` (so ``data.thinking`` has an effect)."""
         return reads_enable_thinking(self.template)
 
-    def _render(self, messages: list[dict[str, Any]], *, generation_prompt: bool,
-                with_spans: bool = False) -> tuple[str, list[tuple[int, int]]]:
-        from transformers.utils.chat_template_utils import render_jinja_template
-
-        kwargs = {**self.tokenizer.special_tokens_map, "enable_thinking": self.options.thinking}
-        rendered, indices = render_jinja_template(
-            conversations=[messages], chat_template=self.template,
-            return_assistant_tokens_mask=with_spans, add_generation_prompt=generation_prompt,
-            **kwargs)
-        return rendered[0], ([tuple(s) for s in indices[0]] if with_spans else [])
-
-    def render(self, messages: list[dict[str, Any]], location: Location | None = None, *,
-               max_chars: int | None = None) -> tuple[str, list[tuple[int, int]]]:
-        """Text of a (trimmed) conversation and its supervised character spans.
-
-        With ``max_chars``, the text is cut at the first template control token at or after
-        that many characters, and turns after the cut are not rendered. Control tokens are
-        tokenized on their own, so the ids of the cut text are exactly a prefix of the ids of
-        the full text.
-        """
-        text, spans, _ = self._render_spans(messages, location, max_chars)
-        return text, spans
-
-    def _render_spans(self, messages: list[dict[str, Any]], location: Location | None,
-                      max_chars: int | None) -> tuple[str, list[tuple[int, int]], bool]:
-        """:meth:`render` plus whether the text was cut."""
-        where = f"{location}: " if location is not None else ""
-        if self.template is None:
-            name = getattr(self.tokenizer, "name_or_path", "?")
+    def _require_template(self, location: Location | None) -> ChatRenderer:
+        if self.renderer is None:
+            where = f"{location}: " if location is not None else ""
             raise TemplateError(
-                f"{where}the tokenizer ({name}) has no chat template, so conversations cannot be rendered; "
-                f"use a model folder whose tokenizer "
-                "has one (chat_template.jinja or tokenizer_config.json), or pre-tokenized data")
-        assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
-        last = assistant[-1]
-        if self.mode == "generation":
-            text, spans = self._render(messages, generation_prompt=False, with_spans=True)
-            spans = self._clip_cut_answers(messages, text, spans, where)
-            spans = self._drop_empty_answers(messages, spans, where)
-            if self.options.last_turn_only:
-                head, _ = self._render(messages[:last], generation_prompt=True)
-                if not text.startswith(head):
-                    raise TemplateError(f"{where}the chat template renders the history before the "
-                                        "last assistant turn differently from the full chat")
-                spans = [s for s in spans if s[1] > len(head)]
-            cut = self._cut_point(text, max_chars)
-            return text[:cut], [(a, min(b, cut)) for a, b in spans if a < cut], cut < len(text)
-        text, _ = self._render(messages, generation_prompt=False)
-        cut = self._cut_point(text, max_chars)
-        spans: list[tuple[int, int]] = []
-        end = 0
-        for k in ([last] if self.options.last_turn_only else assistant):
-            head, _ = self._render(messages[:k], generation_prompt=True)
-            if len(head) >= cut:
-                break  # this turn and later ones are beyond the cut
-            turn = text if k == last else self._render(messages[:k + 1], generation_prompt=False)[0]
-            if not (len(head) >= end and text.startswith(head) and text.startswith(turn)
-                    and turn.startswith(head)):
-                raise TemplateError(
-                    f"{where}the chat template does not render assistant turn {k} as a prefix of "
-                    "the full chat (it renders history differently from a new turn, e.g. by "
-                    "dropping earlier <think> blocks), so the assistant mask cannot be verified. "
-                    "Set data.last_turn_only=true, or use a template with {% generation %} markers")
-            end = len(turn)
-            if is_empty_answer(messages[k]):
-                continue
-            stop = len(turn)
-            if messages[k].get(TRUNCATED):
-                stop = _content_stop(messages[k], k, text, len(head), stop, where)
-            spans.append((len(head), min(stop, cut)))
-        return text[:cut], [(a, b) for a, b in spans if a < b], cut < len(text)
-
-    def _clip_cut_answers(self, messages: list[dict[str, Any]], text: str,
-                          spans: list[tuple[int, int]], where: str) -> list[tuple[int, int]]:
-        """End the supervised span of each ``truncated`` answer where its content ends.
-
-        ``spans`` holds one span per assistant message, in order (before any is left out)."""
-        assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
-        if not any(messages[k].get(TRUNCATED) for k in assistant):
-            return spans
-        if len(spans) != len(assistant):
-            raise TemplateError(
-                f"{where}the chat template marks {len(spans)} assistant spans for {len(assistant)} "
-                "assistant turns, so the turns marked truncated cannot be found; remove the marks")
-        return [(a, _content_stop(messages[k], k, text, a, b, where) if messages[k].get(TRUNCATED) else b)
-                for k, (a, b) in zip(assistant, spans)]
-
-    def _drop_empty_answers(self, messages: list[dict[str, Any]], spans: list[tuple[int, int]],
-                            where: str) -> list[tuple[int, int]]:
-        """``spans`` without those of empty answers (one span per assistant message, in order)."""
-        assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
-        if not any(is_empty_answer(messages[k]) for k in assistant):
-            return spans
-        if len(spans) != len(assistant):
-            raise TemplateError(
-                f"{where}the chat template marks {len(spans)} assistant spans for {len(assistant)} "
-                "assistant turns, so the empty answers cannot be left unsupervised; remove them")
-        return [span for k, span in zip(assistant, spans) if not is_empty_answer(messages[k])]
+                f"{where}the tokenizer ({self.name}) has no chat template, so conversations cannot be "
+                "rendered; use a model folder whose tokenizer has one (chat_template.jinja or "
+                "tokenizer_config.json), or pre-tokenized data")
+        return self.renderer
 
     def _cut_point(self, text: str, max_chars: int | None) -> int:
         if max_chars is None or len(text) <= max_chars:
@@ -251,89 +178,128 @@ class ChatTokenizer:
         found = [i for t in self._split_tokens if (i := text.find(t, max_chars)) >= 0]
         return min(found) if found else len(text)
 
-    def encode_batch(self, records: Sequence[Conversation | Tokenized]) -> list[Encoded | Dropped]:
-        """Encode records in order; conversations are tokenized in one batched call.
+    def encode_batch(self, records: Sequence[Conversation | Tokenized]) -> list[Samples | Dropped]:
+        """Encode records in order; the texts of all conversations are tokenized in one batched call.
 
-        Long conversations are first rendered only up to ``_CHARS_PER_TOKEN * max_length``
-        characters (see :meth:`render`); the few whose cut text has too few tokens are rendered
-        and tokenized again in full.
+        Long texts are first rendered and tokenized only up to ``_CHARS_PER_TOKEN * max_length``
+        characters (cut right before a template control token, so the ids are a prefix of the
+        full text's; turns whose context starts past the cut are not rendered); the few records
+        whose cut text has too few tokens are planned and tokenized again in full.
         """
-        results: list[Encoded | Dropped | None] = [None] * len(records)
-        todo: list[tuple[int, list[dict[str, Any]], int]] = []
+        budget = _CHARS_PER_TOKEN * self.options.max_length
+        results: list[Samples | Dropped | None] = [None] * len(records)
+        planned: list[tuple[int, TurnPlan, list[dict[str, Any]], int]] = []
         for i, record in enumerate(records):
             if isinstance(record, Tokenized):
                 results[i] = self._from_tokenized(record)
                 continue
             messages, trimmed = trim_conversation(record.messages)
-            if not any(m["role"] == "assistant" for m in messages):
-                results[i] = Dropped("no_assistant", f"{record.location}: no assistant turn "
-                                     "after a user turn")
-                continue
-            if all(is_empty_answer(m) for m in self._supervised_answers(messages)):
-                which = "the last assistant answer (data.last_turn_only)" if self.options.last_turn_only \
-                    else "every assistant answer"
-                results[i] = Dropped("empty_answer", f"{record.location}: {which} is empty or whitespace "
-                                     "(it would teach the drafter to end the turn at once)")
-                continue
-            todo.append((i, messages, trimmed))
-        budget = _CHARS_PER_TOKEN * self.options.max_length
-        again = []
-        for (i, messages, trimmed), (ids, mask, was_cut) in zip(
-                todo, self._tokenize([(m, records[i].location) for i, m, _ in todo], budget)):
-            if was_cut and len(ids) <= self.options.max_length:
+            plan = self._plan(record, messages, budget)
+            if isinstance(plan, Dropped):
+                results[i] = plan
+            else:
+                planned.append((i, plan, messages, trimmed))
+        encodings = self._encode_texts([s for _, plan, _, _ in planned for s in plan.samples], budget)
+        per_record, again, at = [], [], 0
+        for i, plan, messages, trimmed in planned:
+            mine, at = encodings[at:at + len(plan.samples)], at + len(plan.samples)
+            if any(cut and len(ids) <= self.options.max_length for ids, _, cut in mine):
                 again.append((i, messages, trimmed))
-                continue
-            results[i] = self._finish(ids, mask, trimmed, records[i].location, was_cut, messages)
-        for (i, messages, trimmed), (ids, mask, _) in zip(
-                again, self._tokenize([(m, records[i].location) for i, m, _ in again], None)):
-            results[i] = self._finish(ids, mask, trimmed, records[i].location, False, messages)
+            else:
+                per_record.append((i, plan, messages, trimmed, mine))
+        for i, messages, trimmed in again:
+            plan = self._plan(records[i], messages, None)
+            assert isinstance(plan, TurnPlan)  # it planned with the cut, so it plans in full
+            per_record.append((i, plan, messages, trimmed, self._encode_texts(plan.samples, None)))
+        for i, plan, messages, trimmed, mine in per_record:
+            results[i] = self._samples(records[i].location, plan, messages, trimmed, mine)
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
-    def _supervised_answers(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The assistant messages whose turns are supervised (the last only with last_turn_only)."""
-        answers = [m for m in messages if m["role"] == "assistant"]
-        return answers[-1:] if self.options.last_turn_only else answers
+    def _plan(self, record: Conversation, messages: list[dict[str, Any]],
+              max_chars: int | None) -> TurnPlan | Dropped:
+        """The texts of one conversation's samples (:func:`plan_turns`), or why it is dropped."""
+        renderer = self._require_template(record.location)
+        assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+        if not assistant:
+            return Dropped("no_assistant", f"{record.location}: no assistant turn after a user turn")
+        answers = assistant[-1:] if self.options.last_turn_only else assistant
+        supervised = [k for k in answers if not is_empty_answer(messages[k])]
+        if not supervised:
+            which = "the last assistant answer (data.last_turn_only)" if self.options.last_turn_only \
+                else "every assistant answer"
+            return Dropped("empty_answer", f"{record.location}: {which} is empty or whitespace "
+                           "(it would teach the drafter to end the turn at once)")
+        try:
+            return plan_turns(renderer, messages, getattr(record, "tools", None), supervised=supervised,
+                              thinking=self.options.thinking,
+                              truncated={k for k in supervised if messages[k].get(TRUNCATED)},
+                              cut_at=None if max_chars is None else lambda t: self._cut_point(t, max_chars))
+        except RenderFailure as exc:
+            return Dropped(exc.reason, f"{record.location}: {exc}")
 
-    def _tokenize(self, items: list[tuple[list[dict[str, Any]], Location]], max_chars: int | None
-                  ) -> list[tuple[np.ndarray, np.ndarray, bool]]:
-        """(ids, mask, text was cut) per conversation, tokenized in one batch."""
-        if not items:
+    def _samples(self, location: Location, plan: TurnPlan, messages: list[dict[str, Any]], trimmed: int,
+                 tokenized: list[tuple[np.ndarray, np.ndarray, bool]]) -> Samples | Dropped:
+        """One record's samples from its tokenized texts (or why none is kept)."""
+        encoded, skipped, drops = [], plan.beyond, []
+        for sample, (ids, mask, was_cut) in zip(plan.samples, tokenized):
+            result = self._finish(ids, mask, location, was_cut, sample)
+            if result is None:
+                skipped += 1
+            elif isinstance(result, Dropped):
+                drops.append(result)
+            else:
+                encoded.append(result)
+        if not encoded:
+            return drops[0] if drops else Dropped("too_long", f"{location}: the context of every turn is "
+                                                  f"longer than data.max_length {self.options.max_length}")
+        answers = assistant_answers(messages, self.options.last_turn_only)
+        return Samples(
+            encoded, trimmed_leading=trimmed, cut_answers=sum(bool(m.get(TRUNCATED)) for m in messages),
+            empty_answers=sum(is_empty_answer(m) for m in answers),
+            reasoning_answers=plan.reasoning_answers, reasoning_unrendered=plan.reasoning_unrendered,
+            turns_skipped_long=skipped, turn_drops=drops,
+            expansion_tokens=sum(len(e.input_ids) for e in encoded if not e.whole), messages=messages)
+
+    def _encode_texts(self, samples: list[TurnText], max_chars: int | None
+                      ) -> list[tuple[np.ndarray, np.ndarray, bool]]:
+        if not samples:
             return []
-        texts, all_spans, cut = [], [], []
-        for messages, location in items:
-            text, spans, was_cut = self._render_spans(messages, location, max_chars)
-            texts.append(text)
-            all_spans.append(spans)
-            cut.append(was_cut)
+        cuts = [self._cut_point(s.text, max_chars) for s in samples]
+        encodings = self._backend.encode_batch([s.text[:cut] for s, cut in zip(samples, cuts)],
+                                               add_special_tokens=False)
         out = []
-        encodings = self._backend.encode_batch(texts, add_special_tokens=False)
-        for encoding, spans, was_cut in zip(encodings, all_spans, cut):
+        for encoding, sample, cut in zip(encodings, samples, cuts):
             ids = np.asarray(encoding.ids, dtype=np.int32)
             offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
             mask = np.zeros(len(ids), dtype=bool)
-            for start, stop in spans:
-                mask |= (offsets[:, 1] > start) & (offsets[:, 0] < stop)
-            out.append((ids, mask.astype(np.uint8), was_cut))
+            for start, stop in sample.spans:
+                if start < cut:
+                    mask |= (offsets[:, 1] > start) & (offsets[:, 0] < min(stop, cut))
+            out.append((ids, mask.astype(np.uint8), cut < len(sample.text)))
         return out
 
-    def encode(self, record: Conversation | Tokenized) -> Encoded | Dropped:
+    def encode(self, record: Conversation | Tokenized) -> Samples | Dropped:
         """Encode one record (see :meth:`encode_batch`)."""
         return self.encode_batch([record])[0]
 
-    def _from_tokenized(self, record: Tokenized) -> Encoded | Dropped:
+    def _from_tokenized(self, record: Tokenized) -> Samples | Dropped:
         ids = np.asarray(record.input_ids, dtype=np.int64)
         if ids.size and int(ids.max()) >= self.vocab_size:
             return Dropped("malformed", f"{record.location}: token id {int(ids.max())} is outside "
                            f"the tokenizer's vocabulary (size {self.vocab_size})")
-        return self._finish(ids.astype(np.int32), np.asarray(record.loss_mask, dtype=np.uint8),
-                            0, record.location, False)
+        result = self._finish(ids.astype(np.int32), np.asarray(record.loss_mask, dtype=np.uint8),
+                              record.location, False, None)
+        return Samples([result]) if isinstance(result, Encoded) else result  # type: ignore[list-item]
 
-    def _finish(self, ids: np.ndarray, mask: np.ndarray, trimmed: int, location: Location,
-                was_cut: bool, messages: list[dict[str, Any]] = ()) -> Encoded | Dropped:
+    def _finish(self, ids: np.ndarray, mask: np.ndarray, location: Location, was_cut: bool,
+                sample: TurnText | None) -> Encoded | Dropped | None:
+        """The sample, a Dropped one, or None for a turn whose context alone is too long."""
         opts = self.options
         truncated = False
         if len(ids) > opts.max_length:
+            if sample is not None and not sample.whole and not mask[:opts.max_length].any():
+                return None
             if opts.on_too_long == "drop":
                 count = f"more than {opts.max_length}" if was_cut else str(len(ids))
                 return Dropped("too_long", f"{location}: {count} tokens > data.max_length "
@@ -344,30 +310,22 @@ class ChatTokenizer:
             after = f" after truncation to {opts.max_length} tokens" if truncated else ""
             return Dropped("too_short", f"{location}: {supervised} supervised tokens{after} < "
                            f"data.min_supervised_tokens {opts.min_supervised_tokens}")
-        answers = self._supervised_answers(list(messages)) if messages else []
-        return Encoded(np.ascontiguousarray(ids), np.ascontiguousarray(mask), truncated, trimmed,
-                       sum(bool(m.get(TRUNCATED)) for m in messages),
-                       sum(is_empty_answer(m) for m in answers))
+        return Encoded(np.ascontiguousarray(ids), np.ascontiguousarray(mask), truncated,
+                       tuple(sample.turns) if sample is not None else (),
+                       sample.whole if sample is not None else True)
 
 
-def _content_stop(message: dict[str, Any], k: int, text: str, start: int, stop: int,
-                  where: str) -> int:
-    """Where the content of assistant message ``k`` ends inside its turn ``text[start:stop]``."""
-    content = message["content"]
-    # The first occurrence inside the turn: the template may trim the content, and the
-    # end-of-turn suffix comes after it.
-    found = [i + len(c) for c in dict.fromkeys((content, content.strip()))
-             if (i := text.find(c, start, stop)) >= 0]
-    if not found:
-        raise TemplateError(
-            f"{where}assistant turn {k} is marked truncated, but the chat template does not render "
-            "its content verbatim, so where the answer stops cannot be found; remove the mark")
-    return found[0]
+def assistant_answers(messages: list[dict[str, Any]], last_turn_only: bool) -> list[dict[str, Any]]:
+    """The assistant messages whose turns are supervised (the last only with last_turn_only)."""
+    answers = [m for m in messages if m["role"] == "assistant"]
+    return answers[-1:] if last_turn_only else answers
 
 
 def is_empty_answer(message: dict[str, Any]) -> bool:
-    """Whether an assistant message's content is empty or whitespace only."""
-    return message["role"] == "assistant" and not message["content"].strip()
+    """Whether an assistant message says nothing: its content is empty or whitespace only and it
+    has no tool call and no reasoning."""
+    return (message["role"] == "assistant" and not message["content"].strip()
+            and not message.get("tool_calls") and not (message.get("reasoning_content") or "").strip())
 
 
 def reads_enable_thinking(template: str | dict[str, str] | None) -> bool:

@@ -87,8 +87,8 @@ def _run(name: str, command: list[str], log_file, *, cwd: Path | None = None) ->
                          f"see {log_file.name}:\n{tail}")
 
 
-def _unpack(folder: Path, log_file) -> None:
-    download = folder / "download"
+def _download(download: Path, log_file) -> Path:
+    """The pinned sdist, downloaded into the fresh folder ``download``."""
     shutil.rmtree(download, ignore_errors=True)
     download.mkdir(parents=True)
     _run("download sdist", [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
@@ -96,9 +96,47 @@ def _unpack(folder: Path, log_file) -> None:
     archives = sorted(download.glob("*.tar.gz"))
     if len(archives) != 1:
         raise BuildError(f"llama.cpp build: expected one sdist in {download}, found {len(archives)}")
+    return archives[0]
+
+
+TEMPLATES = "vendor/llama.cpp/models/templates"
+"""Where the sdist holds llama.cpp's published model chat templates (``*.jinja``)."""
+
+
+def chat_templates(cache: Path, build: Path | None = None) -> Path:
+    """The folder of llama.cpp's model chat templates from the pinned sdist: the build's source
+    when ``build`` holds one, else ``cache/llama-cpp-python-<version>/`` (only the templates are
+    extracted, once, and the folder appears complete or not at all). Raises :class:`BuildError`."""
+    if build is not None and (source_dir(build) / "models" / "templates").is_dir():
+        return source_dir(build) / "models" / "templates"
+    folder = cache / SDIST_PIN.replace("==", "-")
+    if folder.is_dir():
+        return folder
+    partial = cache / f"{folder.name}.partial-{os.getpid()}"
+    partial.mkdir(parents=True, exist_ok=True)
+    with open(partial / "download.log", "a", encoding="utf-8") as log_file:
+        archive = _download(partial / "download", log_file)
+        with tarfile.open(archive) as tar:
+            for member in tar.getmembers():
+                parent, _, name = member.name.partition("/")[2].rpartition("/")
+                if parent == TEMPLATES and name.endswith(".jinja") and member.isfile():
+                    (partial / name).write_bytes(tar.extractfile(member).read())
+    shutil.rmtree(partial / "download")
+    if not any(partial.glob("*.jinja")):
+        raise BuildError(f"{SDIST_PIN}: no {TEMPLATES}/*.jinja in the sdist; see {partial / 'download.log'}")
+    try:
+        partial.rename(folder)  # complete or absent: a concurrent extraction may have won
+    except OSError:
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
+
+
+def _unpack(folder: Path, log_file) -> None:
+    archive = _download(folder / "download", log_file)
+    download = archive.parent
     unpacked = folder / "unpacked"
     shutil.rmtree(unpacked, ignore_errors=True)
-    with tarfile.open(archives[0]) as tar:
+    with tarfile.open(archive) as tar:
         tar.extractall(unpacked, filter="data")
     (root,) = list(unpacked.iterdir())
     shutil.rmtree(folder / "src", ignore_errors=True)
