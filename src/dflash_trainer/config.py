@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import yaml
 
+from dflash_trainer.core.bundled_configs import bundled_config, bundled_names
 from dflash_trainer.core.errors import ConfigError
 from dflash_trainer.core.inputs import check_input
 
@@ -899,7 +900,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"--config {str(p)!r} is a folder; give a YAML file (e.g. "
                               "configs/demo-cpu.yaml)")
         if not os.path.lexists(p):
-            raise ConfigError(f"config file {str(p)!r} does not exist")
+            shipped = bundled_config(p)
+            if shipped is None:
+                raise ConfigError(f"config file {str(p)!r} does not exist; give a YAML file or one of the "
+                                  f"shipped configs ({', '.join(bundled_names()) or 'none installed'})")
+            p = shipped
         check_input(p, what="--config", kind="file", error=ConfigError)
         try:
             loaded = yaml.load(p.read_text(encoding="utf-8-sig"), Loader=_UniqueKeyLoader)  # a SafeLoader

@@ -25,8 +25,10 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from dflash_trainer import __version__
 from dflash_trainer.config import (COUNT_MAX, DURATION_MAX_S, Config, ConfigError, Range, check_text,
                                    describe_options, load_config, option_ranges)
+from dflash_trainer.core.bundled_configs import bundled_names
 from dflash_trainer.core.errors import EXIT_RUNTIME, UserError
 from dflash_trainer.core.fsutil import disk_error
 from dflash_trainer.core.interrupts import report_interrupt, signal_of, stop_signals_raise
@@ -45,6 +47,9 @@ class Command:
     """Additional argparse arguments that are not config keys. A number's ``"range"`` (a
     :class:`~dflash_trainer.config.Range`, required with ``"type": int`` or ``float``) is checked
     by :func:`check_flags`, which also parses the number, so a bad value is one config error line."""
+    reads_config: bool = True
+    """False for a command whose inputs carry their own settings (a checkpoint, a run folder): it
+    takes no ``--config`` and no overrides, and its ``--help`` lists no config options."""
 
 
 def _range_of(key: str) -> Range:
@@ -107,6 +112,7 @@ COMMANDS: dict[str, Command] = {
                ("--out", {"required": True, "help": "output folder (new or empty)"}),
                ("--overwrite", {"action": "store_true",
                                 "help": "replace an earlier drafter export in --out"})],
+        reads_config=False,
     ),
     "regenerate": Command(
         handler="dflash_trainer.data.regenerate:main",
@@ -142,6 +148,7 @@ COMMANDS: dict[str, Command] = {
         handler="dflash_trainer.reporting.report:main",
         help="Write plots and an index.html for a run folder.",
         extra=[("run", {"help": "run folder"})],
+        reads_config=False,
     ),
     "generate": Command(
         handler="dflash_trainer.evaluation.generate:main",
@@ -174,12 +181,15 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of all sub-commands."""
     parser = argparse.ArgumentParser(
         prog="dflash-trainer", description="Train DFlash block-diffusion drafters.")
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     epilog = _options_epilog()
     for name, cmd in COMMANDS.items():
-        p = sub.add_parser(name, help=cmd.help, description=cmd.help, epilog=epilog,
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help, epilog=epilog if cmd.reads_config else None,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        p.add_argument("--config", "-c", default=None, help="YAML config file")
+        if cmd.reads_config:
+            p.add_argument("--config", "-c", default=None,
+                           help="YAML config file, or the name of a shipped one (" + ", ".join(bundled_names()) + ")")
         p.add_argument("--debug", action="store_true",
                        help="show the traceback of user errors too (or set DFLASH_DEBUG=1)")
         for flag, key in cmd.flags.items():
@@ -192,9 +202,24 @@ def build_parser() -> argparse.ArgumentParser:
                            metavar="VALUE", help=f"shorthand for {key}=VALUE")
         for flag, kwargs in cmd.extra:
             p.add_argument(flag, **_argparse_kwargs(kwargs))
-        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                       help="dotted config overrides, e.g. training.lr=3e-4")
+        if cmd.reads_config:
+            p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                           help="dotted config overrides, e.g. training.lr=3e-4")
     return parser
+
+
+def version_line() -> str:
+    """``dflash-trainer VERSION (torch X, transformers Y, Python Z)``, read without importing torch."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return (f"dflash-trainer {__version__} (torch {installed('torch')}, transformers {installed('transformers')}, "
+            f"Python {sys.version.split()[0]})")
 
 
 def parse_args(argv: Sequence[str] | None = None,
@@ -247,7 +272,7 @@ def _parse_number(flag: str, value: int | float | str, kind: type, rng: Range) -
 def check_flags(cmd: Command, args: argparse.Namespace) -> None:
     """Parse and check the flags of a command in place: a number that does not parse or lies
     outside its declared range, or an empty text, is a ConfigError naming the flag."""
-    if args.config is not None:
+    if getattr(args, "config", None) is not None:
         check_text("--config", args.config)
     for flag, kwargs in cmd.extra:
         dest = _dest(flag, kwargs)
@@ -291,7 +316,7 @@ def output_folder(command: str, cfg: Config, args: argparse.Namespace) -> str:
 
 
 def _overrides(cmd: Command, args: argparse.Namespace) -> list[str]:
-    overrides = list(args.overrides)
+    overrides = list(getattr(args, "overrides", []))
     for key in cmd.flags.values():
         value = getattr(args, "flag_" + key.replace(".", "__"))
         if value is None:
@@ -326,7 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with stop_signals_raise() as received:
         try:
             check_flags(cmd, args)
-            cfg = load_config(args.config, _overrides(cmd, args))
+            cfg = load_config(getattr(args, "config", None), _overrides(cmd, args))
             code = _resolve(cmd.handler)(cfg, args)
         except UserError as exc:
             return report_error(args.command, exc, debug=debug)
