@@ -181,9 +181,10 @@ def test_every_part_imports_only_parts_below_it():
 
 
 def test_the_top_level_holds_parts_only():
-    """The package's top level names its parts; a new module goes into one of them."""
+    """The package's top level names its parts; a new module goes into one of them. ``configs``
+    is no part: the shipped config files (package data, a link to the repository's configs/)."""
     top = sorted(p.name for p in PACKAGE.iterdir() if p.name != "__pycache__" and not p.name.endswith(".egg-info"))
-    assert top == sorted(["__init__.py", "__main__.py", "config.py",
+    assert top == sorted(["__init__.py", "__main__.py", "config.py", "configs",
                           *(name for name in LAYERS if name not in ("config", "__main__", ""))])
 
 

@@ -16,4 +16,6 @@ docs/architecture.md, "Layout"):
 - ``cli``: the ``dflash-trainer`` commands and the demo.
 """
 
-__version__ = "0.1.0"
+from dflash_trainer.core.version import __version__
+
+__all__ = ["__version__"]

@@ -893,6 +893,23 @@ def _yaml_problem(path: Path, exc: yaml.MarkedYAMLError) -> str:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     """Load a config from a YAML file (optional) and apply dotted overrides."""
+    return _build(Config, _raw_config(path, overrides), "")
+
+
+def explicit_keys(path: str | Path | None = None, overrides: list[str] | None = None) -> set[str]:
+    """The dotted keys that the YAML file and the overrides set (the rest keep their defaults)."""
+    def keys(node: dict[str, Any], prefix: str) -> set[str]:
+        out: set[str] = set()
+        for key, value in node.items():
+            dotted = f"{prefix}{key}"
+            out |= keys(value, dotted + ".") if isinstance(value, dict) else {dotted}
+        return out
+
+    return keys(_raw_config(path, overrides), "")
+
+
+def _raw_config(path: str | Path | None, overrides: list[str] | None) -> dict[str, Any]:
+    """The YAML file's mapping (optional) with the dotted overrides applied, not yet checked."""
     raw: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -925,7 +942,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             node = child
         node[parts[-1]] = value
     _removed_keys(raw)
-    return _build(Config, raw, "")
+    return raw
 
 
 def _removed_keys(raw: dict[str, Any]) -> None:

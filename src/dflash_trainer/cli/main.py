@@ -25,9 +25,9 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from dflash_trainer import __version__
+from dflash_trainer.core.version import __version__
 from dflash_trainer.config import (COUNT_MAX, DURATION_MAX_S, Config, ConfigError, Range, check_text,
-                                   describe_options, load_config, option_ranges)
+                                   describe_options, explicit_keys, load_config, option_ranges)
 from dflash_trainer.core.bundled_configs import bundled_names
 from dflash_trainer.core.errors import EXIT_RUNTIME, UserError
 from dflash_trainer.core.fsutil import disk_error
@@ -102,8 +102,11 @@ COMMANDS: dict[str, Command] = {
                                      "plain and with the drafter, and put its tau per domain, identical outputs "
                                      "and tokens/s beside the project's (eval.engine_threads, "
                                      "eval.llama_cpp_build, eval.llama_cpp_target, eval.vllm_venv)"}),
-               ("--out", {"default": None, "help": "output folder (default RUN_DIR/eval, with --suite "
-                                                   "RUN_DIR/eval/suite)"})],
+               ("--out", {"default": None, "help": "output folder (default next to the drafter: RUN_DIR/eval for a "
+                                                   "run's drafter/ folder, else DRAFTER-eval; with --suite its "
+                                                   "suite/ subfolder)"}),
+               ("--overwrite", {"action": "store_true",
+                                "help": "replace the results of an earlier evaluation in the output folder"})],
     ),
     "export": Command(
         handler="dflash_trainer.training.export:main",
@@ -305,7 +308,8 @@ def output_folder(command: str, cfg: Config, args: argparse.Namespace) -> str:
     if command == "eval":
         from dflash_trainer.evaluation.evaluate import default_out_dir
 
-        return args.out or str(default_out_dir(cfg, suite=args.suite))
+        return args.out or str(default_out_dir(cfg, suite=args.suite, drafter=getattr(args, "drafter", None),
+                                               run_dir_given="run_dir" in getattr(args, "set_keys", ())))
     if command in ("export", "regenerate"):
         return str(args.out)
     if command == "report":
@@ -352,6 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             check_flags(cmd, args)
             cfg = load_config(getattr(args, "config", None), _overrides(cmd, args))
+            args.set_keys = explicit_keys(getattr(args, "config", None), _overrides(cmd, args))
             code = _resolve(cmd.handler)(cfg, args)
         except UserError as exc:
             return report_error(args.command, exc, debug=debug)

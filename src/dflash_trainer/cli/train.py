@@ -12,6 +12,7 @@ from dflash_trainer.core.distributed import close_distributed
 from dflash_trainer.core.errors import UserError
 from dflash_trainer.evaluation.evaluate import InTrainingEval
 from dflash_trainer.reporting.report import write_report
+from dflash_trainer.training.memory import peak_line
 from dflash_trainer.training.trainer import Trainer, close_after_failure
 
 __all__ = ["main"]
@@ -43,6 +44,8 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
         if getattr(exc, "reported_by_rank0", False):  # a divergence: every rank knows, rank 0 says
             raise SystemExit(exc.exit_code) from None  # type: ignore[attr-defined]
         raise
+    if trainer.dist.is_main:
+        print(peak_line(trainer.memory_estimate, trainer.device, rss_at_start=trainer.rss_at_start), flush=True)
     run_lock = trainer.run_lock
     try:
         trainer.close(keep_run_lock=True)  # the report below still writes into the run folder

@@ -44,6 +44,7 @@ measurement on a small fixed prompt set for the training loop.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -60,6 +61,7 @@ from torch import nn
 from dflash_trainer.config import Config, save_config
 from dflash_trainer.data.tokenize import end_of_turn_ids, render_prompt
 from dflash_trainer.core.errors import CheckpointError, ConfigError
+from dflash_trainer.training.export import recorded_target
 from dflash_trainer.core.fsutil import check_output_folder
 from dflash_trainer.core.inputs import check_input
 from dflash_trainer.evaluation.prompt_sets import PROMPT_SETS, EvalPrompt, load_prompts, suite_prompts
@@ -73,8 +75,8 @@ if TYPE_CHECKING:
     from dflash_trainer.engines.compare import EngineRequests
 
 __all__ = ["EvalReport", "InTrainingEval", "RequestResult", "acceptance_trace", "decode_request",
-           "default_out_dir", "domain_summaries", "evaluate_prompts", "load_models", "main", "print_summary",
-           "request_result", "summarize", "write_results"]
+           "check_no_earlier_results", "default_out_dir", "domain_summaries", "evaluate_prompts", "load_models",
+           "main", "print_summary", "request_result", "summarize", "use_recorded_target", "write_results"]
 
 
 @dataclass(kw_only=True)
@@ -645,10 +647,43 @@ def load_models(cfg: Config, drafter_dir: Path) -> tuple[nn.Module, nn.Module, A
     return drafter, target, tokenizer, target_path
 
 
-def default_out_dir(cfg: Config, *, suite: bool) -> Path:
-    """Where ``eval`` writes without ``--out``: ``RUN_DIR/eval``, for the suite ``RUN_DIR/eval/suite``
-    (beside a plain evaluation, and read by ``dflash-trainer report`` as ``eval/suite``)."""
-    return Path(cfg.run_dir) / "eval" / ("suite" if suite else "")
+def default_out_dir(cfg: Config, *, suite: bool, drafter: str | Path | None = None,
+                    run_dir_given: bool = False) -> Path:
+    """Where ``eval`` writes without ``--out``, next to the drafter: ``RUN_DIR/eval`` for a run's
+    ``drafter/`` folder (or with ``run_dir`` given), else ``DRAFTER-eval`` beside the drafter's
+    folder; for the suite its ``suite`` subfolder (beside a plain evaluation, and read by
+    ``dflash-trainer report`` as ``eval/suite``)."""
+    folder = Path(cfg.run_dir) / "eval"
+    if drafter is not None and not run_dir_given:
+        path = Path(drafter)
+        run = path.parent
+        in_run = path.name == "drafter" and ((run / "config.yaml").is_file() or (run / "checkpoints").is_dir())
+        folder = run / "eval" if in_run else path.with_name(f"{path.name}-eval")
+    return folder / ("suite" if suite else "")
+
+
+def check_no_earlier_results(out_dir: Path, *, overwrite: bool) -> None:
+    """Refuse (:class:`ConfigError`, before any work) a folder that holds an earlier evaluation's
+    ``results.json`` unless ``overwrite``."""
+    if (out_dir / "results.json").exists() and not overwrite:
+        raise ConfigError(f"{out_dir} holds the results of an earlier evaluation (results.json); pass "
+                          "--overwrite to replace them, or choose another folder with --out")
+
+
+def use_recorded_target(cfg: Config, args: argparse.Namespace, *, command: str) -> Config:
+    """``cfg`` with ``model.target`` set to the target the drafter's export recorded, when no
+    target was given (``--target``, ``model.target`` in the config or an override) and that
+    target is available here; said in one line."""
+    if "model.target" in getattr(args, "set_keys", {"model.target"}):
+        return cfg
+    found = recorded_target(args.drafter)
+    if found is None:
+        return cfg
+    target, record = found
+    print(f"{command}: target {target} as recorded in {Path(args.drafter) / 'config.json'}"
+          + (f" (revision {record['revision']})" if record.get("revision") else "")
+          + "; --target chooses another", flush=True)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, target=target))
 
 
 def main(cfg: Config, args: argparse.Namespace) -> int:
@@ -667,6 +702,10 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     suite = bool(getattr(args, "suite", False))
     if args.out:
         check_output_folder(Path(args.out), what="--out")
+    out_dir = Path(args.out) if args.out else default_out_dir(
+        cfg, suite=suite, drafter=drafter_dir, run_dir_given="run_dir" in getattr(args, "set_keys", ()))
+    check_no_earlier_results(out_dir, overwrite=bool(getattr(args, "overwrite", False)))
+    cfg = use_recorded_target(cfg, args, command="eval")
     engine = getattr(args, "engine", None)
     if engine is not None:
         check_engine_option(engine, cfg)
@@ -684,7 +723,6 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     param = next(target.parameters())
     device, dtype = param.device, param.dtype
     torch.manual_seed(cfg.training.seed)
-    out_dir = Path(args.out) if args.out else default_out_dir(cfg, suite=suite)
     print(f"eval: drafter {drafter_dir} on target {target_path} ({device}, {str(dtype).removeprefix('torch.')}), "
           f"{len(prompts)} prompts from {source}{' (first turns)' if suite else ''}, "
           f"max_new_tokens {cfg.eval.max_new_tokens}, temperature {cfg.eval.temperature:g}", flush=True)

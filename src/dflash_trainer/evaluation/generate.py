@@ -29,7 +29,7 @@ from torch import nn
 from dflash_trainer.config import Config
 from dflash_trainer.data.tokenize import end_of_turn_ids, render_prompt
 from dflash_trainer.core.errors import ConfigError
-from dflash_trainer.evaluation.evaluate import load_models
+from dflash_trainer.evaluation.evaluate import load_models, use_recorded_target
 from dflash_trainer.evaluation.prompt_sets import EvalError, EvalPrompt, read_prompt_file
 from dflash_trainer.evaluation.speedup import PairedTimer, SpeedupMeasurement
 from dflash_trainer.evaluation.spec_decode import (Decoded, Span, first_mismatch, speculative_generate,
@@ -219,6 +219,7 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
         raise ConfigError("give exactly one of --prompt TEXT, --prompts FILE or --interactive")
     prompts = ([EvalPrompt(id="0", turns=[args.prompt])] if args.prompt is not None
                else read_prompts(args.prompts) if args.prompts is not None else [])
+    cfg = use_recorded_target(cfg, args, command="generate")
     drafter, target, tokenizer, target_path = load_models(cfg, Path(args.drafter))
     torch.manual_seed(cfg.training.seed)
     colour = stream.isatty() and not os.environ.get("NO_COLOR")

@@ -34,13 +34,18 @@ from typing import Any
 
 import torch
 import transformers
+import yaml
 from safetensors import SafetensorError, safe_open
 from transformers import PretrainedConfig
 
 from dflash_trainer.core.assets import first_line
 from dflash_trainer.training.checkpoint import MANIFEST, validate_checkpoint
 from dflash_trainer.config import Config
-from dflash_trainer.core.errors import CheckpointError, ConfigError
+from dflash_trainer.core.assets import resolve_target
+from dflash_trainer.core.errors import CheckpointError, ConfigError, TargetError, UserError
+from dflash_trainer.features.target_parts import weights_hash
+from dflash_trainer.core.units import format_count
+from dflash_trainer.training.model_card import CARD_FILE, RunFacts, model_card, run_facts
 from dflash_trainer.core.fsutil import save_safetensors, write_dir_atomically
 from dflash_trainer.core.inputs import check_input
 from dflash_trainer.model import modeling
@@ -128,12 +133,16 @@ def _draft_weights(model: DFlashDraftModel, dtype: torch.dtype) -> dict[str, tor
 
 
 def export_drafter(model: DFlashDraftModel, out_dir: str | Path, *, target_config: PretrainedConfig | None = None,
-                   dtype: torch.dtype = torch.bfloat16) -> Path:
+                   dtype: torch.dtype = torch.bfloat16, target: dict[str, Any] | None = None,
+                   card: Callable[[dict[str, Any], int], str] | None = None) -> Path:
     """Write ``config.json``, ``model.safetensors`` and ``dflash.py`` to ``out_dir`` atomically.
 
     ``target_config`` (checked for compatibility) gives ``num_target_layers``; without it the
-    drafter config's own ``num_target_layers`` is used. An existing ``out_dir`` is replaced
-    only if it is empty or a previous drafter export (:class:`ConfigError` otherwise).
+    drafter config's own ``num_target_layers`` is used. ``target`` (:func:`target_record`) is
+    recorded in ``config.json`` under ``dflash_trainer``; a drafter loaded from an export keeps
+    the record it had. ``card(config, num_params)`` gives the text of a ``README.md`` model card.
+    An existing ``out_dir`` is replaced only if it is empty or a previous drafter export
+    (:class:`ConfigError` otherwise).
     """
     out = Path(out_dir)
     num_target_layers = getattr(model.config, "num_target_layers", None)
@@ -144,16 +153,62 @@ def export_drafter(model: DFlashDraftModel, out_dir: str | Path, *, target_confi
         raise ValueError("export needs target_config or a drafter config with num_target_layers")
     check_export_destination(out, overwrite=True)
     config = export_config(model, num_target_layers=int(num_target_layers), dtype=dtype)
+    if target is not None:
+        config[SIGNATURE_KEY] = {**config.get(SIGNATURE_KEY, {}), "target": target}
     weights = _draft_weights(model, dtype)
 
     def write(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if card is not None:
+            num_params = sum(t.numel() for k, t in weights.items() if t.is_floating_point())
+            (tmp / CARD_FILE).write_text(card(config, num_params), encoding="utf-8")
         save_safetensors(weights, tmp / "model.safetensors", metadata={"format": "pt"})
         for source in variant_of(model.config).modeling_paths():
             shutil.copyfile(source, tmp / source.name)
 
     write_dir_atomically(out, write, replace=True)
     return out
+
+
+def target_record(name: str, folder: str | Path) -> dict[str, Any]:
+    """What an export records of its target: ``name`` (``model.target`` as given: ``smollm2``, a
+    hub id or a folder), the ``folder`` it was loaded from, the Hugging Face ``revision`` (the
+    commit of a hub snapshot) and ``weights_sha256`` (:func:`~dflash_trainer.features.target_parts.weights_hash`),
+    each None where unknown."""
+    if not str(folder):
+        return {"name": name, "folder": None, "revision": None, "weights_sha256": None}
+    path = Path(folder).resolve()
+    revision = path.name if path.parent.name == "snapshots" else None
+    try:
+        weights = weights_hash(path)
+    except (UserError, OSError):
+        weights = None  # no weight files there (a target served by an engine from elsewhere)
+    return {"name": name, "folder": str(path), "revision": revision, "weights_sha256": weights}
+
+
+def recorded_target(drafter_dir: str | Path) -> tuple[str, dict[str, Any]] | None:
+    """(model.target to use, the record) of the target an export recorded, when it is available
+    here: its name if that resolves (``smollm2``, a folder, a hub id in the local cache), else the
+    folder it was loaded from. None for an export without a record; :class:`TargetError` when the
+    recorded target is not available."""
+    try:
+        config = json.loads((Path(drafter_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None  # the loader names what is wrong with the folder
+    record = (config.get(SIGNATURE_KEY) or {}).get("target") if isinstance(config, dict) else None
+    if not isinstance(record, dict) or not record.get("name"):
+        return None
+    for candidate in (record["name"], record.get("folder")):
+        if not candidate:
+            continue
+        try:
+            resolve_target(str(candidate))
+        except UserError:
+            continue
+        return str(candidate), record
+    raise TargetError(f"--drafter {drafter_dir} was trained for the target {record['name']!r} (loaded from "
+                      f"{record.get('folder')}), which is not available here; pass --target with that model's "
+                      "folder or hub id")
 
 
 def check_export_destination(out: Path, *, overwrite: bool, flag: str = "") -> None:
@@ -308,6 +363,23 @@ def load_checkpoint_drafter(path: str | Path, *, dtype: torch.dtype = torch.floa
                           "RUN_DIR/checkpoints")
 
 
+def _run_of(checkpoint: Path) -> RunFacts | None:
+    """The facts of the run a checkpoint (``RUN/checkpoints/step-N``, or its ``drafter/``) or a
+    run's exported ``drafter/`` belongs to, for the model card; None when it is neither."""
+    for folder in (checkpoint, checkpoint.parent):
+        if (folder / MANIFEST).is_file() and folder.name.startswith("step-"):
+            step = folder.name.removeprefix("step-")
+            config = None
+            try:
+                config = yaml.safe_load((folder / "config.yaml").read_text(encoding="utf-8"))
+            except (OSError, yaml.YAMLError):
+                pass
+            return run_facts(folder.parent.parent, step=int(step) if step.isdigit() else None, config=config)
+    if (checkpoint.parent / "config.yaml").is_file() and (checkpoint.parent / "metrics.jsonl").is_file():
+        return run_facts(checkpoint.parent, step=None)
+    return None
+
+
 def main(cfg: Config, args: argparse.Namespace) -> int:
     """``dflash-trainer export --checkpoint CKPT --out DIR [--overwrite]``."""
     del cfg  # the drafter config inside the checkpoint is authoritative
@@ -321,9 +393,10 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
         raise ConfigError(f"--out {out} is inside the checkpoint {root}; its files are covered by the "
                           "checkpoint's manifest, so choose a folder outside it")
     model = load_checkpoint_drafter(checkpoint)
-    out = export_drafter(model, out)
+    run = _run_of(checkpoint)
+    out = export_drafter(model, out, card=lambda config, num_params: model_card(config, num_params=num_params, run=run))
     num_params = sum(p.numel() for p in model.parameters())
-    print(f"exported drafter ({variant_of(model.config).title}, {num_params / 1e6:.1f}M parameters, "
+    print(f"exported drafter ({variant_of(model.config).title}, {format_count(num_params)} parameters, "
           f"block {model.block_size}, "
           f"target layers {model.target_layer_ids}, mask id {model.mask_token_id}) to {out}")
     return 0

@@ -8,6 +8,7 @@ thread between steps; the checkpoint writer has its own thread. See docs/archite
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -36,9 +37,11 @@ from dflash_trainer.core.fsutil import disk_error
 from dflash_trainer.core.locks import FolderLock, run_folder_lock
 from dflash_trainer.model.batch import Batch
 from dflash_trainer.model.drafter import drafter_class
-from dflash_trainer.training.export import export_drafter
+from dflash_trainer.training.export import export_drafter, target_record
 from dflash_trainer.training.final_eval import (
     EvaluatorFactory, evaluate_final, final_eval_obstacle, holds_part_of_target, load_whole_target)
+from dflash_trainer.training.memory import MemoryEstimate, current_rss, estimate_memory, reset_peak
+from dflash_trainer.training.model_card import model_card, run_facts, write_model_card
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
 from dflash_trainer.training.pipeline.drafter_step import DrafterStep, NonFiniteError
 from dflash_trainer.training.pipeline.pipeline import PipelineSettings, TrainingPipeline, plan_metrics
@@ -144,6 +147,8 @@ class Trainer:
     def __init__(self, cfg: Config, *, overwrite: bool = False,
                  evaluator: EvaluatorFactory | None = None) -> None:
         self.cfg = cfg
+        self.rss_at_start = current_rss()
+        """Resident memory before anything of the run is loaded: the base of the measured peak."""
         self.overwrite = overwrite
         """Start over in a run folder that holds an earlier run, deleting its outputs."""
         self.dist: DistInfo = init_distributed(cfg.pipeline, cfg.distributed)
@@ -270,6 +275,18 @@ class Trainer:
     def total_steps(self) -> int:
         """Optimizer steps of the run (from every epoch's plan; see ``Components``)."""
         return self.parts.total_steps
+
+    @functools.cached_property
+    def target_record(self) -> dict[str, Any]:
+        """What the exports record of the target (:func:`~dflash_trainer.training.export.target_record`)."""
+        return target_record(self.cfg.model.target, getattr(self.target.config, "name_or_path", ""))
+
+    @property
+    def memory_estimate(self) -> MemoryEstimate:
+        """The estimated peak memory of one step on this rank (:mod:`~dflash_trainer.training.memory`)."""
+        return estimate_memory(self.drafter, self.target, data=self.cfg.data, training=self.cfg.training,
+                               pipeline=self.cfg.pipeline, compute_dtype=self.compute_dtype,
+                               runs_target=self.parts.extractor is not None)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -407,7 +424,7 @@ class Trainer:
             with torch.device("meta"):
                 model = drafter_class(drafter_config)(drafter_config)
             model.load_state_dict(weights, assign=True)
-            export_drafter(model, path, target_config=target_config)
+            export_drafter(model, path, target_config=target_config, target=self.target_record)
 
         self.checkpointer.save(SaveRequest(
             step=step, state=part, export=export, best=is_best,
@@ -445,10 +462,12 @@ class Trainer:
                   f"{self.run_dir}", flush=True)
             if self.parts.draft_vocab is not None:
                 print(self.parts.draft_vocab.describe(), flush=True)
+            print(self.memory_estimate.describe(), flush=True)
             objective = getattr(self.parts.objective, "module", self.parts.objective)  # DDP
             if objective.rounds_shapes(self.device):
                 print(f"drafter attention shapes (pipeline.round_shapes): "
                       f"{objective.shape_sizes.describe()}", flush=True)
+        reset_peak()
         clock = RunClock(start=time.monotonic())
         self.trackers.training_started()
         try:
@@ -630,7 +649,10 @@ class Trainer:
         if sharded_state is not None:
             drafter = drafter_class(self.drafter.config)(self.drafter.config)
             drafter.load_state_dict(sharded_state)
-        out = export_drafter(drafter, self.run_dir / "drafter", target_config=self.target.config)
+        run = run_facts(self.run_dir, step=self.drafter_step.optimizer_step)
+        out = export_drafter(drafter, self.run_dir / "drafter", target_config=self.target.config,
+                             target=self.target_record,
+                             card=lambda config, num_params: model_card(config, num_params=num_params, run=run))
         best = ""
         if self._best.best is not None:
             b = self._best.best
@@ -640,6 +662,7 @@ class Trainer:
         # A stop (signal, stop_after_steps) is a pause: exit fast, the resumed run evaluates.
         if stopped_by in ("completed", "max_time_s") and self.cfg.eval.final:
             self._evaluate_final(drafter)
+            write_model_card(out, run=run_facts(self.run_dir, step=self.drafter_step.optimizer_step))
 
     def _evaluate_final(self, drafter: torch.nn.Module) -> None:
         """``eval.final`` on rank 0 of ``drafter`` (the whole one that was exported), after the
