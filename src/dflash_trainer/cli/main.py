@@ -48,6 +48,10 @@ class Command:
     :class:`~dflash_trainer.config.Range`, required with ``"type": int`` or ``float``) is checked
     by :func:`check_flags`, which also parses the number, so a bad value is one config error line."""
     reads_config: bool = True
+    fits_data: bool = False
+    """Whether the command reads the training data: its ``data.max_length`` and
+    ``data.heldout_samples`` defaults are fitted to the target and the data first
+    (:func:`~dflash_trainer.data.fit.fit_data_defaults`)."""
     """False for a command whose inputs carry their own settings (a checkpoint, a run folder): it
     takes no ``--config`` and no overrides, and its ``--help`` lists no config options."""
 
@@ -68,12 +72,14 @@ COMMANDS: dict[str, Command] = {
                            "help": "print the first N training samples, supervised tokens marked and "
                                    "per-turn samples named, from the token store's code path; write no store",
                            "range": Range(ge=1, le=COUNT_MAX)})],
+        fits_data=True,
     ),
     "features": Command(
         handler="dflash_trainer.features.build:main",
         help="Compute the target's features of every training sample once, into a feature store "
              "that train reads with features.store=FOLDER; resumable, torchrun-launchable.",
         flags={"--target": "model.target", "--data": "data.paths", "--out": "features.store"},
+        fits_data=True,
         extra=[("--print-engine-command", {
             "action": "store_true",
             "help": "print the vLLM server command that serves this config's hidden states "
@@ -84,6 +90,7 @@ COMMANDS: dict[str, Command] = {
         help="Train a drafter (the full pipeline); torchrun-launchable.",
         flags={"--target": "model.target", "--data": "data.paths", "--run-dir": "run_dir",
                "--resume": "checkpoint.resume", "--features": "features.store"},
+        fits_data=True,
         extra=[("--overwrite", {"action": "store_true",
                                 "help": "start over in a run folder that holds an earlier run: "
                                         "delete its checkpoints, metrics, drafter and report "
@@ -146,6 +153,7 @@ COMMANDS: dict[str, Command] = {
         handler="dflash_trainer.cli.demo:main",
         help="The main job: prepare, train, evaluate before/after, export, report.",
         flags={"--target": "model.target", "--data": "data.paths", "--run-dir": "run_dir"},
+        fits_data=True,
     ),
     "report": Command(
         handler="dflash_trainer.reporting.report:main",
@@ -357,6 +365,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_flags(cmd, args)
             cfg = load_config(getattr(args, "config", None), _overrides(cmd, args))
             args.set_keys = explicit_keys(getattr(args, "config", None), _overrides(cmd, args))
+            if cmd.fits_data:
+                from dflash_trainer.data.fit import fit_data_defaults
+
+                rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun every rank fits the same
+                cfg = fit_data_defaults(cfg, given=args.set_keys,
+                                        log=lambda line: rank0 and print(line, flush=True))
             code = _resolve(cmd.handler)(cfg, args)
         except UserError as exc:
             return report_error(args.command, exc, debug=debug)
