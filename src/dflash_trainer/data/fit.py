@@ -18,6 +18,7 @@ from pathlib import Path
 
 from dflash_trainer.config import Config
 from dflash_trainer.core.assets import resolve_target
+from dflash_trainer.core.errors import UserError
 from dflash_trainer.data.formats import EMBEDDED_SHAREGPT, expand_paths, read_source
 from dflash_trainer.data.prepare import target_context_length
 
@@ -27,16 +28,26 @@ HELDOUT_SHARE = 10
 """By default at most one record in this many of the first data entry is held out."""
 
 
-def _first_entry_records(cfg: Config, limit: int) -> tuple[int, str]:
-    """(records of the first ``data.paths`` entry, counted up to ``limit``, its name)."""
-    sources = expand_paths(cfg.data.paths[:1])
+def _first_entry_records(cfg: Config, limit: int) -> int | None:
+    """The records of the first ``data.paths`` entry, counted up to ``limit``; None when it does
+    not read (the command that reads the data names why)."""
     count = 0
-    for source in sources:
-        for _ in read_source(source, format=cfg.data.format):
-            count += 1
-            if count >= limit:
-                return count, cfg.data.paths[0]
-    return count, cfg.data.paths[0]
+    try:
+        for source in expand_paths(cfg.data.paths[:1]):
+            for _ in read_source(source, format=cfg.data.format):
+                count += 1
+                if count >= limit:
+                    return count
+    except UserError:
+        return None
+    return count
+
+
+def _context(cfg: Config) -> int | None:
+    try:
+        return target_context_length(resolve_target(cfg.model.target))
+    except UserError:
+        return None  # the command that loads the target names why
 
 
 def fit_data_defaults(cfg: Config, *, given: set[str], log: Callable[[str], None]) -> Config:
@@ -45,7 +56,7 @@ def fit_data_defaults(cfg: Config, *, given: set[str], log: Callable[[str], None
     file and the command line set); each change is one ``log`` line."""
     data = cfg.data
     if "data.max_length" not in given:
-        context = target_context_length(resolve_target(cfg.model.target))
+        context = _context(cfg)
         if context is not None and data.max_length > context:
             log(f"data.max_length: {context}, the target's context (max_position_embeddings), instead of the "
                 f"default {data.max_length}")
@@ -53,8 +64,8 @@ def fit_data_defaults(cfg: Config, *, given: set[str], log: Callable[[str], None
     if ("data.heldout_samples" not in given and data.heldout_samples > 0
             and data.paths and data.paths[0] != EMBEDDED_SHAREGPT):
         limit = data.heldout_samples * HELDOUT_SHARE
-        records, entry = _first_entry_records(cfg, limit)
-        if records < limit:
+        records, entry = _first_entry_records(cfg, limit), data.paths[0]
+        if records is not None and records < limit:
             held = records // HELDOUT_SHARE
             log(f"data.heldout_samples: {held} of the {records} records of {Path(entry).name} held out for "
                 f"evaluation (the default {data.heldout_samples} is capped at one record in {HELDOUT_SHARE} of "
