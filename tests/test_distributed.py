@@ -141,7 +141,8 @@ def one_step(target: LlamaForCausalLM, micro_batches: list[StepInput], info: Dis
     """Gradients seen by the optimizer (fused AdamW) at the first step, plus the logged
     loss and grad norm; ``draft_vocab``: with a pruned draft vocabulary (every other token)."""
     torch.manual_seed(0)
-    drafter = build_drafter(ModelConfig(num_layers=2, block_size=BLOCK, draft_vocab_size=128 if draft_vocab else None),
+    drafter = build_drafter(ModelConfig(num_layers=2, block_size=BLOCK, target_layer_ids=[1, 2],
+                                        draft_vocab_size=128 if draft_vocab else None),
                             target.config, mask_token_id=255)
     if draft_vocab:
         set_draft_vocab(drafter, range(0, 256, 2), target.lm_head.weight)
@@ -221,7 +222,7 @@ def fsdp_roundtrip(target: LlamaForCausalLM, item: StepInput, info: DistInfo, fo
     back unchanged (the checkpoint and resume path of drafter=fsdp)."""
     def build(seed: int) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(seed)
-        drafter = build_drafter(ModelConfig(num_layers=2, block_size=BLOCK), target.config,
+        drafter = build_drafter(ModelConfig(num_layers=2, block_size=BLOCK, target_layer_ids=[1, 2]), target.config,
                                 mask_token_id=255)
         objective = wrap_drafter(DFlashObjective(drafter, target.model.embed_tokens.weight,
                                                  target.lm_head.weight, gamma=4.0,

@@ -47,18 +47,29 @@ def test_default_layer_ids_follow_the_reference_rule():
 
 def test_config_copies_target_dims_unless_overridden():
     target = tiny_llama()
-    cfg = build_drafter_config(ModelConfig(num_layers=2, block_size=8), target, mask_token_id=7)
+    cfg = build_drafter_config(ModelConfig(num_layers=2, block_size=8, target_layer_ids=[1, 2]), target,
+                               mask_token_id=7)
     assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim) == (64, 128, 4, 2, 16)
     assert cfg.rope_parameters["rope_theta"] == 50000.0
     assert cfg.num_hidden_layers == 2 and cfg.layer_types == ["full_attention"] * 2
-    assert cfg.dflash_config == {"mask_token_id": 7, "target_layer_ids": [1, 1], "block_size": 8}
+    assert cfg.dflash_config == {"mask_token_id": 7, "target_layer_ids": [1, 2], "block_size": 8}
     assert cfg.num_target_layers == 4 and cfg.block_size == 8 and not cfg.tie_word_embeddings
     over = build_drafter_config(ModelConfig(num_layers=1, intermediate_size=96, num_attention_heads=8,
                                             num_key_value_heads=4, head_dim=8, mask_token_id=3,
                                             target_layer_ids=[0, 2]), target)
     assert (over.intermediate_size, over.num_attention_heads, over.num_key_value_heads, over.head_dim) == (96, 8, 4, 8)
     assert over.dflash_config["target_layer_ids"] == [0, 2] and over.dflash_config["mask_token_id"] == 3
+
+
+def test_reference_taps_that_would_repeat_a_layer_are_refused_naming_num_layers():
+    """docs/errors.md: on a 4-layer target the rule spreads two taps over layers 1..1."""
+    with pytest.raises(ConfigError, match=r"model.num_layers=2: the reference rule would tap the target's layers "
+                                          r"\[1, 1\], one of them twice .* set model.num_layers=1, or name distinct "
+                                          r"layers with model.target_layer_ids"):
+        build_drafter_config(ModelConfig(num_layers=2), tiny_llama(), mask_token_id=7)
+    assert build_drafter_config(ModelConfig(num_layers=2, target_layer_ids=[0, 1]), tiny_llama(),
+                                mask_token_id=7).dflash_config["target_layer_ids"] == [0, 1]
 
 
 def test_config_errors_are_clear():

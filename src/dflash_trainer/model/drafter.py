@@ -113,6 +113,13 @@ def tapped_layer_ids(model_cfg: ModelConfig, num_target_layers: int) -> list[int
     reference rule (:func:`default_target_layer_ids`); checked against the target's layers."""
     layer_ids = (list(model_cfg.target_layer_ids) if model_cfg.target_layer_ids is not None
                  else default_target_layer_ids(num_target_layers, model_cfg.num_layers))
+    if model_cfg.target_layer_ids is None and len(set(layer_ids)) < len(layer_ids):
+        fits = max(n for n in range(1, model_cfg.num_layers)
+                   if len(set(default_target_layer_ids(num_target_layers, n))) == n)
+        raise ConfigError(f"model.num_layers={model_cfg.num_layers}: the reference rule would tap the target's "
+                          f"layers {layer_ids}, one of them twice (a {num_target_layers}-layer target has too few "
+                          f"layers to spread {model_cfg.num_layers} taps over); set model.num_layers={fits}"
+                          f"{' or less' if fits > 1 else ''}, or name distinct layers with model.target_layer_ids")
     check_target_layer_ids(layer_ids, num_target_layers)
     return layer_ids
 

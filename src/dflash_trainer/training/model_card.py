@@ -157,8 +157,8 @@ def _serving_lines(config: dict[str, Any], *, target: str) -> list[str]:
               f"    --spec-draft-n-max {block - 1}",
               "```"]
     if "draft_vocab_size" in config and not variant.llama_cpp_prunes_vocab:
-        lines += ["", "This export prunes the draft vocabulary (`d2t`), which llama.cpp's converter reads for "
-                  "DSpark exports only."]
+        lines += ["", f"llama.cpp's converter does not read the pruned draft vocabulary (`d2t`) of a "
+                  f"{variant.title} export: serve this one with vLLM."]
     return lines
 
 
