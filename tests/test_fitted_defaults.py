@@ -1,6 +1,7 @@
 """Defaults that fit the user's target and data: ``data.max_length`` clamped to the target's
 context, the held-out count of a small file decided before tokenizing (never a refusal), each
-said in one line; values the user gave are kept and checked as before."""
+said in one line; values the user gave are kept and checked as before. A run without a config
+file gets a drafter sized for ``drafter_init: target`` on its target."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from dflash_trainer.cli.main import main as cli_main
 from dflash_trainer.config import load_config
 from dflash_trainer.data.fit import fit_data_defaults
+from dflash_trainer.training.drafter_init import drafter_layers_for, fit_drafter_defaults
 from helpers_e2e import make_chat_jsonl, make_tiny_target
 
 
@@ -60,3 +62,20 @@ def test_a_given_max_length_beyond_the_context_is_still_refused(target: Path, tm
     assert cli_main(["prepare", "--data", str(data), "--target", str(target), "data.max_length=4096",
                      "data.heldout_samples=0", f"data.cache_dir={tmp_path / 'cache'}"]) == 2
     assert "data.max_length=4096 is longer than the target's context of 2048" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("layers", "expected"), [(4, 1), (5, 2), (30, 2), (36, 2)])
+def test_the_drafter_without_a_config_is_sized_for_target_init(layers: int, expected: int) -> None:
+    assert drafter_layers_for(layers) == expected
+
+
+def test_a_run_without_a_config_starts_from_the_target(target: Path, tmp_path: Path) -> None:
+    cfg = load_config(None, [f"model.target={target}"])
+    lines: list[str] = []
+    fitted = fit_drafter_defaults(cfg, given={"model.target"}, log=lines.append)
+    assert (fitted.model.num_layers, fitted.model.drafter_init) == (1, "target")
+    assert lines == ["drafter: 1 layer(s) starting as copies of the target's layers [2] over its layers [1] "
+                     "(model.num_layers=1, model.drafter_init=target: the default without a config file, sized to "
+                     "this target; see docs/quality.md)"]
+    for given in ("model.num_layers", "model.drafter_init", "model.init_from", "model.target_layer_ids"):
+        assert fit_drafter_defaults(cfg, given={"model.target", given}, log=pytest.fail) is cfg

@@ -52,6 +52,9 @@ class Command:
     """Whether the command reads the training data: its ``data.max_length`` and
     ``data.heldout_samples`` defaults are fitted to the target and the data first
     (:func:`~dflash_trainer.data.fit.fit_data_defaults`)."""
+    builds_drafter: bool = False
+    """Whether the command builds a drafter: without ``--config`` its shape and init are fitted
+    to the target (:func:`~dflash_trainer.training.drafter_init.fit_drafter_defaults`)."""
     """False for a command whose inputs carry their own settings (a checkpoint, a run folder): it
     takes no ``--config`` and no overrides, and its ``--help`` lists no config options."""
 
@@ -79,7 +82,7 @@ COMMANDS: dict[str, Command] = {
         help="Compute the target's features of every training sample once, into a feature store "
              "that train reads with features.store=FOLDER; resumable, torchrun-launchable.",
         flags={"--target": "model.target", "--data": "data.paths", "--out": "features.store"},
-        fits_data=True,
+        fits_data=True, builds_drafter=True,
         extra=[("--print-engine-command", {
             "action": "store_true",
             "help": "print the vLLM server command that serves this config's hidden states "
@@ -90,7 +93,7 @@ COMMANDS: dict[str, Command] = {
         help="Train a drafter (the full pipeline); torchrun-launchable.",
         flags={"--target": "model.target", "--data": "data.paths", "--run-dir": "run_dir",
                "--resume": "checkpoint.resume", "--features": "features.store"},
-        fits_data=True,
+        fits_data=True, builds_drafter=True,
         extra=[("--overwrite", {"action": "store_true",
                                 "help": "start over in a run folder that holds an earlier run: "
                                         "delete its checkpoints, metrics, drafter and report "
@@ -153,7 +156,7 @@ COMMANDS: dict[str, Command] = {
         handler="dflash_trainer.cli.demo:main",
         help="The main job: prepare, train, evaluate before/after, export, report.",
         flags={"--target": "model.target", "--data": "data.paths", "--run-dir": "run_dir"},
-        fits_data=True,
+        fits_data=True, builds_drafter=True,
     ),
     "report": Command(
         handler="dflash_trainer.reporting.report:main",
@@ -367,10 +370,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.set_keys = explicit_keys(getattr(args, "config", None), _overrides(cmd, args))
             if cmd.fits_data:
                 from dflash_trainer.data.fit import fit_data_defaults
+                from dflash_trainer.training.drafter_init import fit_drafter_defaults
 
                 rank0 = os.environ.get("RANK", "0") == "0"  # under torchrun every rank fits the same
                 cfg = fit_data_defaults(cfg, given=args.set_keys,
                                         log=lambda line: rank0 and print(line, flush=True))
+                if cmd.builds_drafter and getattr(args, "config", None) is None:
+                    cfg = fit_drafter_defaults(cfg, given=args.set_keys,
+                                               log=lambda line: rank0 and print(line, flush=True))
             code = _resolve(cmd.handler)(cfg, args)
         except UserError as exc:
             return report_error(args.command, exc, debug=debug)

@@ -8,6 +8,12 @@ a value the user gave is kept (and checked as before):
 - ``data.heldout_samples`` (default 64) holds out at most a tenth of the first ``data.paths``
   entry (:data:`HELDOUT_SHARE`), counted before tokenizing, so a small file is never refused
   and keeps most of its records for training.
+
+A run without a config file (:func:`fit_drafter_defaults`) also gets the drafter the evidence
+in docs/quality.md favours, sized to the target: ``model.drafter_init: target`` (twice the
+slot-1 agreement of a random init after 150 steps) with as many layers as that init can copy
+after the reference rule's last tapped layer, at most the recipe's 5: 2 on any target of 6 or
+more layers (the rule taps layers 1 and L-3, leaving L-2 and L-1 to copy), 1 on a smaller one.
 """
 
 from __future__ import annotations
@@ -72,3 +78,4 @@ def fit_data_defaults(cfg: Config, *, given: set[str], log: Callable[[str], None
                 "a small first data entry; set data.heldout_samples to choose)")
             data = dataclasses.replace(data, heldout_samples=held)
     return cfg if data is cfg.data else dataclasses.replace(cfg, data=data)
+
