@@ -140,7 +140,9 @@ def _serving_lines(config: dict[str, Any], *, target: str) -> list[str]:
              f"(`{target}`).", "",
              "vLLM (`num_speculative_tokens` is the block size minus one):", "", "```bash",
              f"vllm serve TARGET --speculative-config '{{\"method\": \"{variant.vllm_method}\", "
-             f"\"model\": \"DRAFTER_FOLDER\", \"num_speculative_tokens\": {block - 1}}}'", "```", ""]
+             f"\"model\": \"DRAFTER_FOLDER\", \"num_speculative_tokens\": {block - 1}}}' \\",
+             "    --attention-backend flash_attn   # on GPUs: the draft needs a non-causal-capable backend",
+             "```", ""]
     if variant.name == "dflash":
         lines += ["SGLang (`--speculative-num-draft-tokens` is the block size):", "", "```bash",
                   "python -m sglang.launch_server --model-path TARGET --speculative-algorithm DFLASH \\",
