@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import with_guard
 from dflash_trainer import __version__
 from dflash_trainer.cli.main import build_parser
 from dflash_trainer.cli.main import main as cli_main
@@ -84,7 +85,7 @@ def test_the_wheel_ships_configs_license_and_a_working_cli(tmp_path: Path) -> No
     zipfile.ZipFile(wheel).extractall(site)
     work = tmp_path / "elsewhere"
     work.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(site)}
+    env = {**os.environ, "PYTHONPATH": with_guard(str(site))}
     script = ("import sys; from dflash_trainer.cli.main import main; from dflash_trainer.config import load_config; "
               "import dflash_trainer; assert dflash_trainer.__file__.startswith(sys.argv[1]), dflash_trainer.__file__; "
               "print(load_config('demo-cpu.yaml').model.num_layers); main(['--version'])")
