@@ -315,7 +315,7 @@ def test_eval_command_on_smollm2_mtbench(tmp_path):
 
     # A user error goes to cli.main, which prints it and exits 1 (tests/test_bad_input.py).
     with pytest.raises(CheckpointError, match="nope: no config.json there"):
-        evaluate.main(cfg, argparse.Namespace(drafter=str(tmp_path / "nope"), out=None))
+        evaluate.main(cfg, argparse.Namespace(drafter=str(tmp_path / "nope"), out=None, overwrite=True))
 
 
 def test_report_roundtrip_of_outputs(tmp_path):

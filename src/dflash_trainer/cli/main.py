@@ -320,7 +320,7 @@ def output_folder(command: str, cfg: Config, args: argparse.Namespace) -> str:
         from dflash_trainer.evaluation.evaluate import default_out_dir
 
         return args.out or str(default_out_dir(cfg, suite=args.suite, drafter=getattr(args, "drafter", None),
-                                               run_dir_given="run_dir" in getattr(args, "set_keys", ())))
+                                               run_dir_given="run_dir" in getattr(args, "set_keys", {"run_dir"})))
     if command in ("export", "regenerate"):
         return str(args.out)
     if command == "report":

@@ -702,8 +702,9 @@ def main(cfg: Config, args: argparse.Namespace) -> int:
     suite = bool(getattr(args, "suite", False))
     if args.out:
         check_output_folder(Path(args.out), what="--out")
+    # A caller without the command line's set_keys gave its run_dir on purpose: write there.
     out_dir = Path(args.out) if args.out else default_out_dir(
-        cfg, suite=suite, drafter=drafter_dir, run_dir_given="run_dir" in getattr(args, "set_keys", ()))
+        cfg, suite=suite, drafter=drafter_dir, run_dir_given="run_dir" in getattr(args, "set_keys", {"run_dir"}))
     check_no_earlier_results(out_dir, overwrite=bool(getattr(args, "overwrite", False)))
     cfg = use_recorded_target(cfg, args, command="eval")
     engine = getattr(args, "engine", None)
