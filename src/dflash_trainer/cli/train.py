@@ -45,7 +45,7 @@ def main(cfg: Config, args: argparse.Namespace | None = None) -> int:
             raise SystemExit(exc.exit_code) from None  # type: ignore[attr-defined]
         raise
     if trainer.dist.is_main:
-        print(peak_line(trainer.memory_estimate, trainer.device, rss_at_start=trainer.rss_at_start), flush=True)
+        print(peak_line(trainer.memory_estimate, trainer.peak_memory), flush=True)
     run_lock = trainer.run_lock
     try:
         trainer.close(keep_run_lock=True)  # the report below still writes into the run folder

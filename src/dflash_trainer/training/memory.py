@@ -165,8 +165,9 @@ def measured_peak(device: torch.device, *, rss_at_start: int) -> tuple[int, str]
             f"peak resident memory while training, above the {format_bytes(rss_at_start)} before loading")
 
 
-def peak_line(estimate: MemoryEstimate, device: torch.device, *, rss_at_start: int) -> str:
-    """One console line: the measured peak beside the estimate of the run's start."""
-    peak, what = measured_peak(device, rss_at_start=rss_at_start)
-    ratio = f", {peak / estimate.total:.2f}x the estimate" if estimate.total else ""
-    return f"memory: {what}: {format_bytes(peak)} (estimated {format_bytes(estimate.total)}{ratio})"
+def peak_line(estimate: MemoryEstimate, peak: tuple[int, str]) -> str:
+    """One console line: the measured peak (:func:`measured_peak`) beside the estimate of the
+    run's start."""
+    peak_bytes, what = peak
+    ratio = f", {peak_bytes / estimate.total:.2f}x the estimate" if estimate.total else ""
+    return f"memory: {what}: {format_bytes(peak_bytes)} (estimated {format_bytes(estimate.total)}{ratio})"

@@ -40,7 +40,7 @@ from dflash_trainer.model.drafter import drafter_class
 from dflash_trainer.training.export import export_drafter, target_record
 from dflash_trainer.training.final_eval import (
     EvaluatorFactory, evaluate_final, final_eval_obstacle, holds_part_of_target, load_whole_target)
-from dflash_trainer.training.memory import MemoryEstimate, current_rss, estimate_memory, reset_peak
+from dflash_trainer.training.memory import MemoryEstimate, current_rss, estimate_memory, measured_peak, reset_peak
 from dflash_trainer.training.model_card import model_card, run_facts, write_model_card
 from dflash_trainer.model.modeling.dflash import DFlashDraftModel
 from dflash_trainer.training.pipeline.drafter_step import DrafterStep, NonFiniteError
@@ -478,6 +478,8 @@ class Trainer:
         except NonFiniteError as exc:
             raise self._save_after_divergence(exc) from exc
         self.stopped_by = stopped_by or "completed"
+        self.peak_memory = measured_peak(self.device, rss_at_start=self.rss_at_start)
+        """The peak memory of the training steps (before the export and the final evaluation)."""
         self._finish(self.stopped_by, time.monotonic() - clock.start)
         return last
 
