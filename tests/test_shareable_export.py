@@ -105,6 +105,20 @@ def test_a_run_exports_a_card_and_eval_finds_its_target(tmp_path: Path, capsys: 
 
 
 @pytest.mark.slow
+def test_the_card_shows_the_final_evaluation(tmp_path: Path) -> None:
+    """Without eval.every_steps the run evaluates after the export (eval.final): the card is
+    written again with that tau."""
+    target = make_tiny_target(tmp_path / "target", layers=3)
+    data = make_chat_jsonl(tmp_path / "chat.jsonl", num=16)
+    run = tmp_path / "run"
+    assert cli_main(["train", *tiny_run_overrides(target=target, data=data, cache=tmp_path / "cache", run_dir=run),
+                     "training.max_steps=2", "eval.final=true", "eval.in_training_prompts=1",
+                     "eval.max_new_tokens=4"]) == 0
+    card = (run / "drafter" / "README.md").read_text()
+    assert re.search(r"Acceptance length tau \*\*[\d.]+\*\* at step 2: .* first 1 prompts of `mtbench`", card), card
+
+
+@pytest.mark.slow
 def test_a_recorded_target_that_is_gone_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     drafter = tmp_path / "drafter"
     drafter.mkdir()
