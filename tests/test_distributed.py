@@ -412,6 +412,7 @@ def overrides(root: Path, run_dir: Path, *extra: str) -> list[str]:
             "data.heldout_samples=0", "pipeline.tokens_per_batch=256", "pipeline.num_buckets=2",
             "pipeline.num_threads=1", "pipeline.prefetch_workers=1", "model.block_size=8",
             "model.dtype=float32",  # the layouts are compared to float32 rounding
+            "model.num_layers=1",  # given: the command line (torchrun) and Trainer(cfg) build the same drafter
             "training.num_anchors=8", "training.epochs=2", "training.lr=3e-3",
             "logging.every_steps=1", "logging.console=false", "logging.tensorboard=false",
             "checkpoint.every_steps=3", "checkpoint.keep_last=10", "eval.final=false", *extra]
