@@ -169,3 +169,15 @@ def test_a_parquet_file_is_marked_by_the_field_names_of_its_schema(tmp_path):
     assert file_fingerprint(path, tmp_path / "cache")[0]["chat_fields"] == ["reasoning_content"]
     pq.write_table(pa.Table.from_pylist([{"messages": [{"role": "assistant", "content": "a"}]}]), path)
     assert "chat_fields" not in file_fingerprint(path, tmp_path / "cache")[0]
+
+
+def test_a_hash_memoised_before_the_field_scan_is_read_once_more(tmp_path):
+    from dflash_trainer.core.fsutil import memoised_sha256
+
+    cache = tmp_path / "cache"
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "developer", "content": "d"}]}) + "\n")
+    digest, _ = memoised_sha256(path, cache / ".file-sha256.json")  # an entry as older versions wrote it
+    identity, memoised = file_fingerprint(path, cache)
+    assert not memoised and identity["sha256"] == digest and identity["chat_fields"] == ["developer"]
+    assert file_fingerprint(path, cache) == (identity, True)
