@@ -9,6 +9,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from dflash_trainer.core.assets import sharegpt_file
+from dflash_trainer.core.fsutil import memoised_sha256
 from dflash_trainer.data.cache import (ChatFieldScan, TokenStore, file_fingerprint, find_store, fingerprint,
                                        tokenizer_fingerprint)
 
@@ -172,8 +173,6 @@ def test_a_parquet_file_is_marked_by_the_field_names_of_its_schema(tmp_path):
 
 
 def test_a_hash_memoised_before_the_field_scan_is_read_once_more(tmp_path):
-    from dflash_trainer.core.fsutil import memoised_sha256
-
     cache = tmp_path / "cache"
     path = tmp_path / "d.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "developer", "content": "d"}]}) + "\n")
