@@ -1,5 +1,6 @@
 """Memory-mapped token store: layout, random access, atomic creation, fingerprints."""
 
+import hashlib
 import json
 
 import numpy as np
@@ -7,7 +8,9 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from dflash_trainer.data.cache import (TokenStore, file_fingerprint, find_store, fingerprint,
+from dflash_trainer.core.assets import sharegpt_file
+from dflash_trainer.core.fsutil import memoised_sha256
+from dflash_trainer.data.cache import (ChatFieldScan, TokenStore, file_fingerprint, find_store, fingerprint,
                                        tokenizer_fingerprint)
 
 
@@ -114,3 +117,66 @@ def test_fingerprints_change_with_their_inputs(tmp_path):
     templated = tokenizer_fingerprint(tok)
     tok.chat_template = "{% for m in messages %}{{ m.content }}\n{% endfor %}"
     assert len({plain, templated, tokenizer_fingerprint(tok)}) == 3
+
+
+def test_files_with_fields_earlier_readers_dropped_get_another_identity_and_the_demo_keeps_its_own(tmp_path):
+    cache = tmp_path / "cache"
+    plain = {"conversations": [{"from": "human", "value": "tools"}, {"from": "gpt", "value": "developer"}]}
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(plain) + "\n")
+    identity, _ = file_fingerprint(path, cache)
+    # the identity main computed for a file (and so every store key built from it) is unchanged
+    assert identity == {"path": str(path.resolve()), "size": path.stat().st_size,
+                        "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    reasoning = {"messages": [{"role": "user", "content": "q"},
+                              {"role": "assistant", "content": "a", "reasoning_content": "r"}]}
+    path.write_text(json.dumps(reasoning) + "\n")
+    marked, memoised = file_fingerprint(path, cache)
+    assert not memoised and marked["chat_fields"] == ["reasoning_content"]
+    unmarked = {k: v for k, v in marked.items() if k != "chat_fields"}
+    assert fingerprint({"files": [marked]}) != fingerprint({"files": [unmarked]})
+    assert file_fingerprint(path, cache) == (marked, True)  # the memo answers the scan too
+    memo = json.loads((cache / ".file-sha256.json").read_text())
+    assert memo[str(path.resolve())]["chat_fields"] == ["reasoning_content"]
+
+    agentic = {"messages": [{"role": "developer", "content": "d"}, {"role": "user", "content": "q"},
+                            {"role": "assistant", "content": None, "tool_calls": []},
+                            {"role": "tool", "content": "r"}], "tools": []}
+    path.write_text(json.dumps(agentic, indent=1) + "\n")
+    assert file_fingerprint(path, cache)[0]["chat_fields"] == ["developer", "tool", "tool_calls", "tools"]
+    path.write_text(json.dumps({"conversations": [{"from": "function_call", "value": "{}"}]}) + "\n")
+    assert file_fingerprint(path, cache)[0]["chat_fields"] == ["function_call"]
+
+
+def test_a_field_split_by_a_chunk_boundary_is_found():
+    scan = ChatFieldScan(json_text=True)
+    for chunk in (b'{"messages": [{"role": "assistant", "reason', b'ing": "r", "content": "a"}]}'):
+        scan.update(chunk)
+    assert scan.result() == ["reasoning"]
+
+
+def test_the_embedded_sharegpt_file_keeps_the_identity_its_store_key_was_built_from(tmp_path):
+    path = sharegpt_file()
+    identity, _ = file_fingerprint(path, tmp_path / "cache")
+    assert set(identity) == {"path", "size", "sha256"}
+
+
+def test_a_parquet_file_is_marked_by_the_field_names_of_its_schema(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "d.parquet"
+    rows = [{"messages": [{"role": "assistant", "content": "a", "reasoning_content": "r"}]}]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    assert file_fingerprint(path, tmp_path / "cache")[0]["chat_fields"] == ["reasoning_content"]
+    pq.write_table(pa.Table.from_pylist([{"messages": [{"role": "assistant", "content": "a"}]}]), path)
+    assert "chat_fields" not in file_fingerprint(path, tmp_path / "cache")[0]
+
+
+def test_a_hash_memoised_before_the_field_scan_is_read_once_more(tmp_path):
+    cache = tmp_path / "cache"
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "developer", "content": "d"}]}) + "\n")
+    digest, _ = memoised_sha256(path, cache / ".file-sha256.json")  # an entry as older versions wrote it
+    identity, memoised = file_fingerprint(path, cache)
+    assert not memoised and identity["sha256"] == digest and identity["chat_fields"] == ["developer"]
+    assert file_fingerprint(path, cache) == (identity, True)

@@ -26,6 +26,7 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, Protocol
 
 from dflash_trainer.core.errors import ConfigError, DiskError
 
@@ -240,12 +241,16 @@ def write_dir_atomically(out_dir: Path, write: Callable[[Path], None], *,
             os.close(old_lock)
 
 
-def sha256_file(path: Path, *, chunk_size: int = 1 << 22) -> str:
-    """Hex sha256 of a file's bytes, read in chunks."""
+def sha256_file(path: Path, *, chunk_size: int = 1 << 22,
+                on_chunk: Callable[[bytes], None] | None = None) -> str:
+    """Hex sha256 of a file's bytes, read in chunks; ``on_chunk`` sees every chunk in order
+    (to learn more about the file in the same read)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(chunk_size), b""):
             digest.update(chunk)
+            if on_chunk is not None:
+                on_chunk(chunk)
     return digest.hexdigest()
 
 
@@ -279,15 +284,37 @@ def save_safetensors(tensors: dict, path: Path, *, metadata: dict[str, str] | No
         raise OSError(code, os.strerror(code), str(path)) from exc
 
 
+class FileScan(Protocol):
+    """Something learnt from a file's bytes in the read that hashes it, memoised with the hash."""
+
+    name: str
+    """Its key in a memo entry."""
+
+    def update(self, chunk: bytes) -> None:
+        """Sees the next chunk of the file."""
+
+    def result(self) -> Any:
+        """What the chunks showed (JSON-serialisable)."""
+
+
 def memoised_sha256(path: Path, memo_path: Path) -> tuple[str, bool]:
     """sha256 of a file's bytes, and whether the memo in ``memo_path`` (a JSON object by
-    resolved path) answered it instead of a read.
+    resolved path) answered it instead of a read (see :func:`memoised_scan`)."""
+    digest, _, memoised = memoised_scan(path, memo_path)
+    return digest, memoised
+
+
+def memoised_scan(path: Path, memo_path: Path, scan: FileScan | None = None) -> tuple[str, Any, bool]:
+    """sha256 of a file's bytes, what ``scan`` learnt from them in the same read (None without
+    one), and whether the memo in ``memo_path`` (a JSON object by resolved path) answered both
+    instead of a read.
 
     The memo is a shortcut only: an entry answers while the file's size, mtime, inode *and*
     ctime are those it was hashed at. ctime is what makes that safe: ``cp -p``, ``rsync -t``,
     ``touch -r`` or a restored backup put back the size and mtime of an edited file, but the
     kernel sets ctime on every write and no tool can set it back. Any change rehashes, and the
-    new hash replaces the entry. A memo that cannot be read or written only costs the hashing.
+    new hash replaces the entry; so does an entry without the scan's result (hashed before the
+    scan existed). A memo that cannot be read or written only costs the hashing.
     """
     resolved = Path(path).resolve()
     info = resolved.stat()
@@ -296,15 +323,16 @@ def memoised_sha256(path: Path, memo_path: Path) -> tuple[str, bool]:
     memo = read_json_cache(memo_path, what="file hash memo")
     entry = memo.get(str(resolved))
     if isinstance(entry, dict) and all(entry.get(k) == v for k, v in stamp.items()) \
-            and isinstance(entry.get("sha256"), str):
-        return entry["sha256"], True
-    digest = sha256_file(resolved)
-    memo[str(resolved)] = {**stamp, "sha256": digest}
+            and isinstance(entry.get("sha256"), str) and (scan is None or scan.name in entry):
+        return entry["sha256"], entry[scan.name] if scan is not None else None, True
+    digest = sha256_file(resolved, on_chunk=scan.update if scan is not None else None)
+    found = scan.result() if scan is not None else None
+    memo[str(resolved)] = {**stamp, "sha256": digest, **({scan.name: found} if scan is not None else {})}
     try:
         atomic_write_text(memo_path, json.dumps(memo, indent=1))
     except OSError as exc:
         log.warning("cannot keep the file hash memo %s (%s); hashing again next time", memo_path, exc)
-    return digest, False
+    return digest, found, False
 
 
 def step_name(step: int) -> str:

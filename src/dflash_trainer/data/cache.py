@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
-from dflash_trainer.core.fsutil import DISK_FIX, memoised_sha256, sha256_file, write_dir_atomically
+from dflash_trainer.core.fsutil import DISK_FIX, memoised_scan, sha256_file, write_dir_atomically
 from dflash_trainer.core.locks import FolderLock
 
 FORMAT_VERSION = 1
@@ -78,12 +79,55 @@ HASH_MEMO = ".file-sha256.json"
 """The memo of data files' content hashes, in the token cache folder (:func:`file_fingerprint`)."""
 
 
+_CHAT_KEYS = ("reasoning_content", "reasoning", "tool_calls", "tools")
+_CHAT_ROLES = ("developer", "tool", "function_call", "observation")
+_JSON_CHAT_FIELDS = re.compile(
+    rb'"(' + b"|".join(k.encode() for k in _CHAT_KEYS) + rb')"\s*:'
+    rb'|"(?:role|from)"\s*:\s*"(' + b"|".join(r.encode() for r in _CHAT_ROLES) + rb')"')
+_BINARY_CHAT_FIELDS = re.compile(b"(" + b"|".join(k.encode() for k in (*_CHAT_KEYS, "developer")) + b")")
+_OVERLAP = 64
+"""Bytes kept from the previous chunk, so that a field split by a chunk boundary is seen."""
+
+
+class ChatFieldScan:
+    """Which fields that earlier readers dropped or refused a data file holds: reasoning
+    (``reasoning_content``, ``reasoning``), tool calls, a ``tools`` list, and the ``developer``,
+    ``tool``, ``function_call`` and ``observation`` roles.
+
+    A store built from such a file before the readers kept these fields holds other samples
+    than a build now gives, so they are part of the file's identity in the store key; a file
+    without any keeps the identity (and the store) it had. JSON text is matched as keys and
+    role values; Parquet and Arrow files by the field names in their schema (a rare false match
+    costs one rebuild)."""
+
+    name = "chat_fields"
+
+    def __init__(self, *, json_text: bool) -> None:
+        self._pattern = _JSON_CHAT_FIELDS if json_text else _BINARY_CHAT_FIELDS
+        self._tail = b""
+        self._found: set[bytes] = set()
+
+    def update(self, chunk: bytes) -> None:
+        """Looks for the fields in ``chunk`` (and the end of the one before)."""
+        window = self._tail + chunk
+        for match in self._pattern.finditer(window):
+            self._found.add(next(g for g in match.groups() if g))
+        self._tail = window[-_OVERLAP:]
+
+    def result(self) -> list[str]:
+        """The fields found, sorted."""
+        return sorted(f.decode() for f in self._found)
+
+
 def file_fingerprint(path: Path, cache: Path) -> tuple[dict[str, Any], bool]:
     """Identity of a data file by resolved path and content (sha256 of its bytes, never its
-    size and mtime alone: an edit that keeps both is a new store), and whether the memo in the
-    token cache folder ``cache`` answered it (see :func:`~dflash_trainer.core.fsutil.memoised_sha256`)."""
-    digest, memoised = memoised_sha256(path, cache / HASH_MEMO)
-    return {"path": str(Path(path).resolve()), "size": Path(path).stat().st_size, "sha256": digest}, memoised
+    size and mtime alone: an edit that keeps both is a new store) plus the fields of
+    :class:`ChatFieldScan` it holds (only when it holds some), and whether the memo in the
+    token cache folder ``cache`` answered it (see :func:`~dflash_trainer.core.fsutil.memoised_scan`)."""
+    scan = ChatFieldScan(json_text=Path(path).suffix.lower() in (".json", ".jsonl"))
+    digest, fields, memoised = memoised_scan(path, cache / HASH_MEMO, scan)
+    identity = {"path": str(Path(path).resolve()), "size": Path(path).stat().st_size, "sha256": digest}
+    return ({**identity, "chat_fields": fields} if fields else identity), memoised
 
 
 class TokenStoreWriter:

@@ -58,7 +58,9 @@ RULES_VERSION = 2
 """Changes when the same conversation, tokenizer and options give other samples (2: empty
 answers dropped or unsupervised); part of the token store's key, so older stores are rebuilt.
 Per-turn samples did not change it: every conversation that rules 2 turned into a sample (its
-history a prefix of the whole render) still gives that same sample, and the others were refused."""
+history a prefix of the whole render) still gives that same sample, and the others were refused.
+Files with the reasoning, tool and ``developer`` fields that earlier readers dropped or refused
+get a new key through their identity instead (:class:`~dflash_trainer.data.cache.ChatFieldScan`)."""
 
 
 class TemplateError(DataError):
