@@ -308,7 +308,7 @@ def test_in_range_flag_is_accepted_as_given(command_flag, data):
 TEXT_FLAGS = sorted({(name, flag) for name, cmd in COMMANDS.items() for flag in cmd.flags}
                     | {(name, flag) for name, cmd in COMMANDS.items() for flag, kwargs in cmd.extra
                        if "type" not in kwargs and "action" not in kwargs and "choices" not in kwargs}
-                    | {(name, "--config") for name in COMMANDS})
+                    | {(name, "--config") for name, cmd in COMMANDS.items() if cmd.reads_config})
 
 
 @pytest.mark.parametrize("command, flag", TEXT_FLAGS)

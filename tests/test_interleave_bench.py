@@ -45,7 +45,7 @@ def test_benchmark_end_to_end_tiny(tmp_path: Path):
         "--set", "data.heldout_samples=6", "--set", "pipeline.tokens_per_batch=256",
         "--set", "pipeline.bucket_boundaries=[60,120]", "--set", "model.dtype=float32",
         "--set", "training.num_anchors=8", "--set", "training.loss_slots=3",
-        "--set", "pipeline.prefetch_workers=1"])
+        "--set", "pipeline.prefetch_workers=1", "--set", "model.num_layers=1"])
     report = bench.run(args)
     runs = report["results"]["3"]
     a, b = runs["interleave"], runs["shuffle"]

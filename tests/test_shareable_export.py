@@ -6,7 +6,10 @@ peak."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,15 +134,19 @@ def test_a_recorded_target_that_is_gone_is_named(tmp_path: Path, capsys: pytest.
 
 
 @pytest.mark.slow
-def test_the_memory_estimate_meets_the_measured_peak_on_the_demo_target(tmp_path: Path,
-                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_memory_estimate_meets_the_measured_peak_on_the_demo_target(tmp_path: Path) -> None:
     """The demo's target and drafter (SmolLM2, two layers, 256 tokens per batch), float32: the peak
     resident memory while training, above the process before loading, lies within 25% of the
-    estimate printed at the start (about 0.87 GiB; measured 1.05x-1.09x of it on a 2-core Xeon)."""
-    assert cli_main(["train", "--config", "demo-cpu.yaml", "model.dtype=float32", "training.max_steps=10",
-                     f"run_dir={tmp_path / 'run'}", "data.max_samples=300", "logging.console=false",
-                     "logging.tensorboard=false", "checkpoint.async_save=false", "eval.final=false"]) == 0
-    out = capsys.readouterr().out
+    estimate printed at the start (about 0.87 GiB; measured 1.05x-1.09x of it on a 2-core Xeon).
+    In a process of its own: inside the test session, memory that earlier tests freed is reused
+    by the allocator and hides part of the run's peak (0.78x seen there)."""
+    run = subprocess.run([sys.executable, "-m", "dflash_trainer", "train", "--config", "demo-cpu.yaml",
+                          "model.dtype=float32", "training.max_steps=10", f"run_dir={tmp_path / 'run'}",
+                          "data.max_samples=300", "logging.console=false", "logging.tensorboard=false",
+                          "checkpoint.async_save=false", "eval.final=false"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
     measured = re.search(r"memory: peak resident memory while training, above the .* before loading: "
                          r"([\d.]+) (MiB|GiB) \(estimated ([\d.]+) (MiB|GiB), ([\d.]+)x the estimate\)", out)
     assert measured, out
