@@ -91,6 +91,12 @@ def _run(args: list[str], log: Path) -> float:
     return round(time.monotonic() - started, 1)
 
 
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository when it lies inside it (results carry no machine's paths)."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(ROOT)) if resolved.is_relative_to(ROOT) else "RUN_ROOT"
+
+
 def run_arm(name: str, extra: list[str], common: list[str], run_root: Path, log: Path,
             cache: Path) -> dict[str, Any]:
     """prepare, train and eval one arm; its row."""
@@ -133,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-root", default=str(ROOT / "runs/multiturn-row"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/multiturn-qwen3-template.json"))
     args = parser.parse_args(argv)
-    run_root = Path(args.run_root)
+    run_root = Path(args.run_root).resolve()
     run_root.mkdir(parents=True, exist_ok=True)
     log, cache = run_root / "commands.log", run_root / "tokens"
     target = make_target(run_root / "target")
@@ -160,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
         "supervised_ratio": round(per_turn["supervised_tokens"] / last["supervised_tokens"], 3),
         "tau_delta": round(per_turn["tau"] - last["tau"], 4),
         "rows": rows,
-        "commands": "dflash-trainer prepare|train|eval " + " ".join(common[2:]),
+        # The run folder as the docs' command names it: relative to the repository when inside it.
+        "commands": "dflash-trainer prepare|train|eval " + " ".join(common[2:]).replace(
+            str(run_root.resolve()), _shown(run_root)),
     }
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=1))
